@@ -1,0 +1,254 @@
+"""Capture a Hugging Face model as an ATen-level FX program.
+
+``capture(model, mode=...)`` runs ``torch.export`` (non-strict) over a thin wrapper of the
+model, with the modeling file's kernel functions swapped for ssmshard custom ops
+(``hf_shims``), batch and sequence length dynamic, and tags every node (``passes.tag``).
+
+Three modes, each a pure function of its inputs (weights are graph inputs too):
+
+* ``forward``:  ``input_ids -> logits``                      (scoring / training)
+* ``prefill``:  ``input_ids -> (logits, states)``            (states: per-layer conv/SSM/KV)
+* ``decode``:   ``(input_ids[b, 1], states) -> (logits, states)``
+
+Decode rebuilds a Hugging Face cache object from the state tensors inside the traced
+function, so the model's own cache logic is what gets captured, version by version, and
+returns the updated tensors: no hidden mutation survives in the graph.
+
+The model may live on the meta device: export only needs shapes, so capture never touches
+weights. The graph then records ``device=meta`` for factory ops; ``Program.bind`` retargets
+them to the device of the real weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+import warnings
+
+import torch
+from torch.export import Dim
+
+from .families import cache_kwarg, family_of
+from .hf_shims import swapped_kernel_functions
+from .program import Program, StateSpec
+
+MODES = ("forward", "prefill", "decode")
+# Attributes of HF cache layers that hold state tensors, in the order states are flattened.
+# A tensor or an {index: tensor} dict (linear-attention layers keep several numbered states).
+_STATE_ATTRS = (("keys", "key"), ("values", "value"), ("conv_states", "conv"), ("recurrent_states", "ssm"))
+
+
+class _Forward(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids, use_cache=False, return_dict=True).logits
+
+
+class _Prefill(torch.nn.Module):
+    def __init__(self, model, cache_kwarg):
+        super().__init__()
+        self.model = model
+        self.cache_kwarg = cache_kwarg
+
+    def forward(self, input_ids):
+        out = self.model(input_ids=input_ids, use_cache=True, return_dict=True)
+        cache = getattr(out, self.cache_kwarg)
+        return out.logits, *flatten_states(cache)
+
+
+class _Decode(torch.nn.Module):
+    def __init__(self, model, cache_kwarg, template):
+        super().__init__()
+        self.model = model
+        self.cache_kwarg = cache_kwarg
+        self.template = template
+
+    def forward(self, input_ids, states):
+        cache = rebuild_cache(self.template, states)
+        out = self.model(input_ids=input_ids, use_cache=True, return_dict=True, **{self.cache_kwarg: cache})
+        return out.logits, *flatten_states(cache)
+
+
+def _state_slots(cache):
+    """(layer index, kind, attribute, key) for every state tensor of an HF cache, in order."""
+    for layer_idx, layer in enumerate(cache.layers):
+        for attr, kind in _STATE_ATTRS:
+            value = getattr(layer, attr, None)
+            if isinstance(value, torch.Tensor):
+                yield layer_idx, kind, attr, None
+            elif isinstance(value, dict):
+                for key in sorted(value):
+                    if isinstance(value[key], torch.Tensor):
+                        yield layer_idx, kind, attr, key
+
+
+def flatten_states(cache) -> list[torch.Tensor]:
+    out = []
+    for layer_idx, _, attr, key in _state_slots(cache):
+        value = getattr(cache.layers[layer_idx], attr)
+        out.append(value if key is None else value[key])
+    return out
+
+
+def rebuild_cache(template, states):
+    """A fresh cache shaped like ``template`` whose state tensors are (copies of) ``states``.
+
+    Copies, because HF updates some states in place; cloning inside the graph keeps the
+    caller's tensors untouched and lets functionalisation see plain data flow.
+    """
+    cache = copy.copy(template)
+    cache.layers = []
+    for layer in template.layers:
+        fresh = copy.copy(layer)
+        # Shallow-copy dict attributes (flags and state dicts) so nothing is shared with the template.
+        for name, value in vars(layer).items():
+            if isinstance(value, dict):
+                setattr(fresh, name, dict(value))
+        cache.layers.append(fresh)
+    slots = list(_state_slots(template))
+    if len(slots) != len(states):
+        raise ValueError(f"decode expects {len(slots)} state tensors, got {len(states)}")
+    for (layer_idx, _, attr, key), tensor in zip(slots, states):
+        layer = cache.layers[layer_idx]
+        if key is None:
+            setattr(layer, attr, tensor.clone())
+        else:
+            getattr(layer, attr)[key] = tensor.clone()
+    return cache
+
+
+def _model_device(model) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def _capture_context(model, family):
+    """Eval mode (training-only fused paths off), swapped kernels, quiet HF fallbacks."""
+    was_training = model.training
+    model.eval()
+    try:
+        with swapped_kernel_functions(family.modeling_module), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        model.train(was_training)
+
+
+def _example_ids(model, batch, seq, device):
+    vocab = model.config.vocab_size
+    return torch.randint(0, vocab, (batch, seq), device=device) if device.type != "meta" else \
+        torch.zeros(batch, seq, dtype=torch.long, device=device)
+
+
+def _state_template(model, cache_kwarg, device):
+    """A populated HF cache from a tiny eager prefill (meta tensors when the model is on meta).
+
+    It tells which state tensors exist, in which order, and is the object decode rebuilds.
+    """
+    ids = _example_ids(model, 1, 2, device)
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True, return_dict=True)
+    return getattr(out, cache_kwarg)
+
+
+def capture(model, *, mode: str = "forward", example_batch: int = 2, example_seq: int = 8,
+            verbose: bool = False) -> Program:
+    """Capture ``model`` (a supported HF ``*ForCausalLM``) as a tagged :class:`Program`.
+
+    Batch and sequence (decode: past) lengths are symbolic: one graph serves every shape in
+    ``program.ranges``. Where the model branches on a length (HF pads a prefill shorter than
+    the conv kernel; attention treats a one-token past specially), export narrows the range,
+    and the program's shape-bucket cache captures a sibling graph the first time a shape
+    outside it arrives, replaying the same pass pipeline on it. ``example_*`` size the trace
+    (``example_seq`` is the past length for decode).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    family = family_of(model)
+    started = time.perf_counter()
+    program = _capture_one(model, family, mode, example_batch, example_seq)
+    program.capture_seconds = time.perf_counter() - started
+    program.recapture = lambda user_inputs: _recapture(model, family, program, user_inputs)
+    if _model_device(model).type != "meta":
+        program.bind(model)
+    if verbose:
+        print(f"captured {family.class_name} ({mode}) in {program.capture_seconds:.2f}s: "
+              f"{program.node_count()} nodes")
+    return program
+
+
+def _recapture(model, family, program, user_inputs) -> Program:
+    """A sibling of ``program`` for the shapes of ``user_inputs``, with the same passes applied."""
+    ids = user_inputs[0]
+    # Batch 1 would make export specialise the batch dim; every program serves batch >= 1
+    # already, so lengths are what a sibling is traced for.
+    batch, seq = max(2, ids.shape[0]), ids.shape[1]
+    if program.mode == "decode":
+        kv = [t for t, spec in zip(user_inputs[1:], program.state_specs) if spec.kind == "key"]
+        seq = kv[0].shape[2] if kv else 1
+    sibling = _capture_one(model, family, program.mode, batch, seq)
+    from .passes import replay
+
+    sibling = replay(sibling, program.history)
+    if program.weights is not None:
+        sibling.weights = program.weights
+        sibling.retarget(program.capture_device)
+    return sibling
+
+
+def _capture_one(model, family, mode, example_batch, example_seq) -> Program:
+    cache_kw = cache_kwarg(model)
+    device = _model_device(model)
+    with _capture_context(model, family):
+        # Batch is one named dim shared by every input. Sequence and past lengths are AUTO:
+        # export narrows their range where the model branches on them, and the Program
+        # records the range it serves.
+        batch = Dim("batch", min=1)
+        state_template = None if mode == "forward" else _state_template(model, cache_kw, device)
+        if mode in ("forward", "prefill"):
+            wrapper = _Forward(model) if mode == "forward" else _Prefill(model, cache_kw)
+            args = (_example_ids(model, example_batch, example_seq, device),)
+            # Forward graphs do not branch on length, so ask for every length >= 1 (AUTO would
+            # start at 2). Prefill branches (short prompts are padded to the conv kernel).
+            seq = Dim("seq", min=1) if mode == "forward" else Dim.AUTO
+            dynamic = ({0: batch, 1: seq},)
+        else:
+            wrapper = _Decode(model, cache_kw, state_template)
+            states, dynamic_states = [], []
+            for tensor, (_, kind, _, _) in zip(flatten_states(state_template), _state_slots(state_template)):
+                shape = list(tensor.shape)
+                shape[0] = example_batch
+                dims = {0: batch}
+                if kind in ("key", "value"):  # (b, kv_heads, past, head_dim)
+                    shape[2] = example_seq
+                    dims[2] = Dim.AUTO  # a named Dim trips an unprovable stride guard in HF attention
+                states.append(torch.zeros(shape, dtype=tensor.dtype, device=device))
+                dynamic_states.append(dims)
+            args = (_example_ids(model, example_batch, 1, device), states)
+            dynamic = ({0: batch}, dynamic_states)
+        try:
+            exported = torch.export.export(wrapper, args, dynamic_shapes=dynamic, strict=False)
+        except torch._dynamo.exc.UserError:
+            if mode != "forward":
+                raise
+            # This model does branch on length after all: let export choose the ranges.
+            dynamic = ({0: batch, 1: Dim.AUTO},)
+            exported = torch.export.export(wrapper, args, dynamic_shapes=dynamic, strict=False)
+
+    state_specs = []
+    if state_template is not None:
+        for (layer_idx, kind, _, _), tensor in zip(_state_slots(state_template), flatten_states(state_template)):
+            state_specs.append(StateSpec(layer=layer_idx, kind=kind, dtype=tensor.dtype, ndim=tensor.dim()))
+    program = Program.from_exported(
+        exported, mode=mode, family=family.name, model=model, state_specs=state_specs,
+        capture_device=device, wrapper_prefix="model.",
+    )
+    from .passes import run_pipeline  # late import: passes import Program
+
+    return run_pipeline(program, ["tag"])

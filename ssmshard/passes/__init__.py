@@ -1,0 +1,21 @@
+"""Graph passes over :class:`ssmshard.Program`.
+
+A pass is a plain function ``(program, ctx) -> program`` registered under a name::
+
+    @ssmshard.passes.register("fold_casts")
+    def fold_casts(program, ctx):
+        ...
+        return program
+
+``run_pipeline(program, ["tag", "fold_casts", ("my_pass", {"option": 1})])`` runs passes in
+order; after each one the graph is verified (lint, fake-tensor re-propagation, tag
+integrity) and an op-count diff is recorded in ``program.history``. A verification failure
+names the pass that broke the graph.
+"""
+
+from .manager import (PassContext, PassVerificationError, get, register, registered, replay,
+                      run_pipeline, unregister, verify)
+from . import tag  # noqa: F401  (registers the built-in "tag" pass)
+
+__all__ = ["PassContext", "PassVerificationError", "get", "register", "registered", "replay", "run_pipeline",
+           "unregister", "verify"]

@@ -1,0 +1,146 @@
+"""The ``tag`` pass: give every node its place in the model.
+
+Reads ``nn_module_stack`` (which torch.export records per node, by call path) and writes
+``node.meta["ssmshard"] = {module, call_site, layer, block, role}`` (see ``program.py`` for
+the glossary). Later passes select nodes by these tags instead of by op patterns, so a
+sharding rule reads "the in_proj of every mamba2 block", not "the third linear".
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from ..program import op_name
+from .manager import register
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+# Attribute name of a module on the call path -> role of the nodes inside it.
+_ROLE_BY_ATTR = {
+    "in_proj": "in_proj", "conv1d": "conv", "x_proj": "x_proj", "dt_proj": "dt_proj",
+    "out_proj": "out_proj", "q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj",
+    "o_proj": "o_proj", "gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj",
+    "gate_up_proj": "gate_up_proj", "embeddings": "embed", "embed_tokens": "embed",
+    "lm_head": "lm_head", "rotary_emb": "rope", "linear": "hybrid_linear",
+    "dt_layernorm": "dt_norm", "b_layernorm": "b_norm", "c_layernorm": "c_norm",
+    "linear_q_adapter_list": "q_adapter", "linear_k_adapter_list": "k_adapter",
+    "linear_v_adapter_list": "v_adapter", "gate_up_proj_adapter_list": "gate_up_adapter",
+}
+# Parameters that sit directly on a mixer, by their own name.
+_ROLE_BY_PARAM = {"A_log": "A_log", "D": "D", "dt_bias": "dt_bias", "x_proj_weight": "x_proj",
+                  "dt_proj_weight": "dt_proj", "dt_proj_bias": "dt_proj"}
+_ROLE_BY_OP = {"ssmshard.selective_scan": "scan", "ssmshard.ssd_scan": "scan",
+               "ssmshard.selective_state_update": "scan", "ssmshard.causal_conv1d": "conv",
+               "ssmshard.causal_conv1d_update": "conv"}
+_SUBBLOCKS = ("mamba1", "mamba2", "attention", "mlp")
+
+
+def block_of_class(class_name: str) -> str | None:
+    """Block kind of a module class, or None for containers (layers, models)."""
+    if "Mixer" in class_name:
+        return "mamba2" if ("Mamba2" in class_name or class_name.startswith(("Zamba2", "Bamba"))) else "mamba1"
+    if "Attention" in class_name and not class_name.endswith(("Layer", "Block")):
+        return "attention"
+    if "RotaryEmbedding" in class_name:
+        return "attention"
+    if class_name.endswith("MLP"):
+        return "mlp"
+    if class_name == "Embedding":
+        return "embed"
+    if "Norm" in class_name:
+        return "norm"
+    return None
+
+
+def _is_layer_container(class_name: str) -> bool:
+    return class_name.endswith(("Block", "DecoderLayer", "HybridLayer", "Layer"))
+
+
+def _stack(node, prefix: str):
+    """[(call path relative to the model, class name)], outermost first."""
+    out = []
+    for path, type_name in (node.meta.get("nn_module_stack") or {}).values():
+        if path == prefix.rstrip("."):
+            path = ""
+        elif prefix and path.startswith(prefix):
+            path = path[len(prefix):]
+        out.append((path, str(type_name).rsplit(".", 1)[-1]))
+    return out
+
+
+def _role_from_path(path: str, block: str | None) -> str | None:
+    parts = path.split(".") if path else []
+    for part in reversed(parts):
+        if part in _ROLE_BY_ATTR:
+            return _ROLE_BY_ATTR[part]
+        if part in ("norm", "norm_f", "final_layernorm", "input_layernorm", "pre_ff_layernorm",
+                    "post_attention_layernorm"):
+            return "gate_norm" if block == "mamba2" and part == "norm" else "norm"
+    return None
+
+
+def tag_node(node, program, prefix: str = "model.") -> dict:
+    stack = _stack(node, prefix)
+    call_site = stack[-1][0] if stack else ""
+    block = None
+    for _, class_name in stack:  # the outermost sub-block wins: a gated norm belongs to its mixer
+        kind = block_of_class(class_name)
+        if kind in _SUBBLOCKS:
+            block = kind
+            break
+    if block is None:
+        for path, class_name in reversed(stack):
+            kind = block_of_class(class_name)
+            if kind is not None:
+                block = kind
+                break
+            if path.split(".")[-1] == "lm_head":
+                block = "head"
+                break
+    role = _ROLE_BY_OP.get(op_name(node)) or _role_from_path(call_site, block)
+    innermost_class = stack[-1][1] if stack else ""
+    if role is None:
+        if node.target in (torch.ops.aten.add.Tensor,) and _is_layer_container(innermost_class):
+            role = "residual_add"
+            producers = [a.meta.get("ssmshard", {}).get("block") for a in node.args if isinstance(a, torch.fx.Node)]
+            block = next((b for b in producers if b in _SUBBLOCKS), block)
+        else:
+            role = "body"
+    if block is None:
+        block = "head" if innermost_class.endswith("ForCausalLM") else "glue"
+    layer = _LAYER.search(call_site)
+    return {
+        "module": program.module_names.get(call_site, call_site),
+        "call_site": call_site,
+        "layer": int(layer.group(1)) if layer else None,
+        "block": block,
+        "role": role,
+    }
+
+
+def _param_role(fqn: str) -> str:
+    module_path, _, leaf = fqn.rpartition(".")
+    if leaf in _ROLE_BY_PARAM:
+        return _ROLE_BY_PARAM[leaf]
+    return _role_from_path(module_path, None) or leaf
+
+
+@register("tag", analysis_only=True)
+def tag(program, ctx):
+    """Tag every call_function node (in graph order, so residual adds see their producers)."""
+    for spec in program.param_specs.values():
+        spec.role = _param_role(spec.fqn)
+    weight_role = {i.name: program.param_specs[i.target].role for i in program.inputs if i.kind != "user"}
+    for node in program.graph.nodes:
+        if node.op != "call_function":
+            continue
+        tags = tag_node(node, program)
+        if tags["role"] == "body":
+            # Weights used without calling their module (``self.dt_proj.weight @ x``, ``A_log``)
+            # still name the computation.
+            roles = [weight_role[a.name] for a in node.all_input_nodes if a.name in weight_role]
+            if roles:
+                tags["role"] = roles[0]
+        node.meta["ssmshard"] = tags
+    return program

@@ -1,0 +1,112 @@
+"""Placements of a value across the ranks of one tensor-parallel mesh axis of size ``tp``.
+
+* ``Replicate()``: every rank holds the whole value.
+* ``Partial()``: every rank holds a summand; the value is their sum (after a row-parallel matmul).
+* ``Shard(dim, segments)``: dimension ``dim`` is a concatenation of ``segments``; each segment
+  is cut into ``pieces`` equal chunks and rank ``r`` holds chunk ``(r // stride) % pieces`` of
+  every segment, concatenated in order. One segment with ``pieces == tp`` is the usual
+  even split. A packed projection such as Mamba-2's ``in_proj`` rows ``[z, x, B, C, dt]`` is
+  five segments; B and C have ``pieces = n_groups, stride = tp // n_groups`` when fewer
+  groups than ranks exist (each rank holds the one group its heads read), and
+  ``pieces = 1`` when every rank needs all of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    size: int  # global length of this segment along the sharded dim
+    pieces: int  # chunks the segment is cut into (1: every rank holds it whole)
+    stride: int = 1  # consecutive ranks that hold the same chunk
+
+    def __post_init__(self):
+        if self.size % self.pieces:
+            raise ValueError(f"segment of {self.size} cannot be cut into {self.pieces} equal pieces")
+
+    @property
+    def local(self) -> int:
+        return self.size // self.pieces
+
+    def chunk(self, rank: int) -> int:
+        return (rank // self.stride) % self.pieces
+
+    def offset(self, rank: int) -> int:
+        return self.chunk(rank) * self.local
+
+    def scaled(self, factor: int) -> "Segment":
+        """The same cut of a dim ``factor`` times longer (merging an unsharded inner dim)."""
+        return Segment(self.size * factor, self.pieces, self.stride)
+
+
+@dataclasses.dataclass(frozen=True)
+class Replicate:
+    def __str__(self):
+        return "R"
+
+
+@dataclasses.dataclass(frozen=True)
+class Partial:
+    def __str__(self):
+        return "P"
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    dim: int  # non-negative
+    segments: tuple[Segment, ...]
+
+    @property
+    def global_size(self) -> int:
+        return sum(s.size for s in self.segments)
+
+    @property
+    def local_size(self) -> int:
+        return sum(s.local for s in self.segments)
+
+    def with_dim(self, dim: int) -> "Shard":
+        return Shard(dim, self.segments)
+
+    def __str__(self):
+        segs = ",".join(f"{s.size}/{s.pieces}" + (f"@{s.stride}" if s.stride > 1 else "") for s in self.segments)
+        return f"S({self.dim}:{segs})"
+
+
+Placement = Replicate | Partial | Shard
+REPLICATE = Replicate()
+PARTIAL = Partial()
+
+
+def even(size: int, tp: int) -> Segment:
+    return Segment(size, tp, 1)
+
+
+def normalize(placement: Placement) -> Placement:
+    """A shard whose every segment is held whole by every rank is just replication."""
+    if isinstance(placement, Shard) and all(s.pieces == 1 for s in placement.segments):
+        return REPLICATE
+    return placement
+
+
+def local_slice(tensor: torch.Tensor, placement: Placement, rank: int) -> torch.Tensor:
+    """This rank's part of a global tensor."""
+    if not isinstance(placement, Shard):
+        return tensor
+    parts, start = [], 0
+    for seg in placement.segments:
+        parts.append(tensor.narrow(placement.dim, start + seg.offset(rank), seg.local))
+        start += seg.size
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=placement.dim)
+
+
+def local_shape(shape, placement: Placement) -> tuple:
+    shape = list(shape)
+    if isinstance(placement, Shard):
+        if shape[placement.dim] != placement.global_size:
+            raise ValueError(f"shard of {placement.global_size} does not match dim {placement.dim} of {tuple(shape)}")
+        shape[placement.dim] = placement.local_size
+    return tuple(shape)

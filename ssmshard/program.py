@@ -1,0 +1,379 @@
+"""``Program``: a captured (and possibly rewritten) model graph that can be called like the model.
+
+The graph is the functional, lifted form torch.export produces: weights (parameters,
+buffers, lifted constants) are placeholders just like ``input_ids``. That is what makes
+sharding a graph rewrite: a pass changes what a weight placeholder holds and the ops that
+consume it, and the runtime feeds each rank its own shards.
+
+Glossary of node tags (``node.meta["ssmshard"]``, set by the ``tag`` pass):
+    module     canonical FQN of the innermost nn.Module (the name its parameters carry)
+    call_site  the path through which that module was called (differs from ``module`` for
+               Zamba2's shared transformer, which is one object called from several layers)
+    layer      decoder layer index, or None outside the layers
+    block      mamba1 | mamba2 | attention | mlp | embed | norm | head | glue
+    role       in_proj | conv | x_proj | dt_proj | scan | gate_norm | out_proj | q_proj | ...
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import sys
+import dataclasses
+from typing import Any
+
+import sympy
+import torch
+import torch.fx
+from torch.utils._sympy.numbers import int_oo
+from torch.export.graph_signature import InputKind, OutputKind
+
+WEIGHT_KINDS = {InputKind.PARAMETER: "parameter", InputKind.BUFFER: "buffer",
+                InputKind.CONSTANT_TENSOR: "constant"}
+
+
+@dataclasses.dataclass
+class ParamSpec:
+    """One weight placeholder of the graph."""
+    fqn: str  # parameter/buffer name in the HF model (``model.layers.0.mixer.in_proj.weight``)
+    kind: str  # parameter | buffer | constant
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    role: str = ""  # filled by the tag pass from the consuming nodes
+
+
+@dataclasses.dataclass
+class StateSpec:
+    """One state tensor of prefill/decode: which layer, and what it holds."""
+    layer: int
+    kind: str  # conv | ssm | key | value
+    dtype: torch.dtype
+    ndim: int
+
+
+@dataclasses.dataclass
+class GraphInput:
+    name: str  # placeholder name
+    kind: str  # parameter | buffer | constant | user
+    target: str | None  # FQN for weights, None for user inputs
+
+
+class Program:
+    """A graph module plus everything needed to call it and to reason about it."""
+
+    def __init__(self, graph_module: torch.fx.GraphModule, *, mode: str, family: str,
+                 inputs: list[GraphInput], param_specs: dict[str, ParamSpec],
+                 state_specs: list[StateSpec], module_names: dict[str, str],
+                 module_types: dict[str, str], capture_device: torch.device,
+                 constants: dict[str, torch.Tensor] | None = None, config: Any = None,
+                 ranges: dict[tuple[int, int], tuple[int, float]] | None = None):
+        self.graph_module = graph_module
+        self.mode = mode
+        self.family = family
+        self.inputs = inputs
+        self.param_specs = param_specs
+        self.state_specs = state_specs
+        self.module_names = module_names  # call-site path -> canonical module FQN
+        self.module_types = module_types  # call-site path -> class name
+        self.capture_device = torch.device(capture_device)
+        self.constants = constants or {}
+        self.config = config
+        self.weights: dict[str, torch.Tensor] | None = None
+        self.history: list[dict] = []  # one record per pass run: name, op-count diff, seconds
+        self.capture_seconds: float | None = None
+        # (flat user-input index, dim) -> (lo, hi): the shapes this graph was traced to serve.
+        self.ranges = ranges or {}
+        # Shape-bucket cache: sibling programs captured for shapes outside ``ranges`` (see admits).
+        self.siblings: list[Program] = []
+        self.recapture = None  # callable(user_inputs) -> Program, set by capture() while it holds the model
+
+    # ----------------------------------------------------------------- construction
+    @classmethod
+    def from_exported(cls, exported, *, mode, family, model, state_specs, capture_device,
+                      wrapper_prefix="") -> "Program":
+        sig = exported.graph_signature
+        for spec in sig.output_specs:
+            if spec.kind != OutputKind.USER_OUTPUT:
+                raise RuntimeError(
+                    f"captured graph mutates {spec.kind.name} {spec.target}; ssmshard programs must be "
+                    "functional. This is a capture bug: please report the model class."
+                )
+
+        def strip(name):
+            return name[len(wrapper_prefix):] if wrapper_prefix and name.startswith(wrapper_prefix) else name
+
+        inputs, param_specs, constants = [], {}, {}
+        state = exported.state_dict
+        placeholders = [n for n in exported.graph_module.graph.nodes if n.op == "placeholder"]
+        for node, spec in zip(placeholders, sig.input_specs):
+            if spec.kind == InputKind.USER_INPUT:
+                inputs.append(GraphInput(node.name, "user", None))
+                continue
+            if spec.kind not in WEIGHT_KINDS:
+                raise RuntimeError(f"unsupported graph input kind {spec.kind} for {spec.target}")
+            fqn = strip(spec.target)
+            kind = WEIGHT_KINDS[spec.kind]
+            inputs.append(GraphInput(node.name, kind, fqn))
+            val = node.meta["val"]
+            param_specs[fqn] = ParamSpec(fqn, kind, tuple(val.shape), val.dtype)
+            if kind == "constant":
+                constants[fqn] = exported.constants[spec.target]
+            elif spec.target not in state and spec.target in exported.constants:
+                constants[fqn] = exported.constants[spec.target]  # non-persistent buffers
+
+        ranges = _user_input_ranges(exported, [n for n, i in zip(placeholders, inputs) if i.kind == "user"])
+        module_names, module_types = _module_tables(model)
+        gm = exported.graph_module
+        _canonicalize(gm.graph)
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+        return cls(gm, mode=mode, family=family, inputs=inputs, param_specs=param_specs,
+                   state_specs=state_specs, module_names=module_names, module_types=module_types,
+                   capture_device=capture_device, constants=constants, config=getattr(model, "config", None),
+                   ranges=ranges)
+
+    # ----------------------------------------------------------------- weights
+    def bind(self, model_or_weights) -> "Program":
+        """Attach real weights (a model, or a dict FQN -> tensor) and retarget devices."""
+        if isinstance(model_or_weights, torch.nn.Module):
+            named = dict(model_or_weights.named_parameters(remove_duplicate=False))
+            named.update(model_or_weights.named_buffers(remove_duplicate=False))
+        else:
+            named = dict(model_or_weights)
+        weights = {}
+        for fqn, spec in self.param_specs.items():
+            tensor = named.get(fqn, self.constants.get(fqn))
+            if tensor is None:
+                raise KeyError(f"no weight for graph input {fqn!r}")
+            if tensor.device.type == "meta":
+                raise ValueError(f"weight {fqn!r} is on the meta device; load real weights before binding")
+            weights[fqn] = tensor
+        self.weights = weights
+        device = next(iter(weights.values())).device if weights else self.capture_device
+        self.retarget(device)
+        return self
+
+    def retarget(self, device) -> None:
+        """Rewrite ``device=`` arguments of factory ops recorded at capture time."""
+        device = torch.device(device)
+        changed = False
+        for node in self.graph_module.graph.nodes:
+            if isinstance(node.kwargs.get("device"), torch.device) and node.kwargs["device"] != device:
+                node.update_kwarg("device", device)
+                changed = True
+        if changed:
+            self.graph_module.recompile()
+        self.capture_device = device
+
+    # ----------------------------------------------------------------- calling
+    def weight_args(self) -> list[torch.Tensor]:
+        if self.weights is None:
+            raise RuntimeError("this program has no weights bound: call program.bind(model) first "
+                               "(a model captured on the meta device has none)")
+        return [self.weights[i.target] for i in self.inputs if i.kind != "user"]
+
+    def admits(self, user_inputs) -> bool:
+        """Whether the shapes of ``user_inputs`` lie in the ranges this graph was traced for."""
+        for (index, dim), (lo, hi) in self.ranges.items():
+            if index >= len(user_inputs) or user_inputs[index].dim() <= dim:
+                return False
+            if not lo <= user_inputs[index].shape[dim] <= hi:
+                return False
+        return True
+
+    def for_shapes(self, user_inputs) -> "Program":
+        """This program, or the sibling in the shape-bucket cache that serves these shapes."""
+        for candidate in (self, *self.siblings):
+            if candidate.admits(user_inputs):
+                return candidate
+        if self.recapture is None:
+            raise ValueError(
+                f"this {self.mode} program serves shapes {self.describe_ranges()}, not "
+                f"{[tuple(t.shape) for t in user_inputs][:3]}; capture it again with example shapes "
+                "inside the range you need"
+            )
+        sibling = self.recapture(user_inputs)
+        self.siblings.append(sibling)
+        return sibling
+
+    def describe_ranges(self) -> str:
+        parts = [f"input{i}.shape[{d}] in [{lo}, {hi}]" for (i, d), (lo, hi) in sorted(self.ranges.items())
+                 if lo != hi]
+        return "; ".join(parts[:4]) + (" ..." if len(parts) > 4 else "")
+
+    def __call__(self, input_ids, states=None):
+        user = [input_ids] if self.mode != "decode" else [input_ids, *_require_states(states)]
+        target = self.for_shapes(user)
+        outputs = target.graph_module(*target.weight_args(), *user)
+        if self.mode == "forward":
+            return outputs[0] if isinstance(outputs, (tuple, list)) else outputs
+        return outputs[0], list(outputs[1:])
+
+    # ----------------------------------------------------------------- inspection
+    @property
+    def graph(self) -> torch.fx.Graph:
+        return self.graph_module.graph
+
+    def node_count(self) -> int:
+        return sum(1 for n in self.graph.nodes if n.op == "call_function")
+
+    def op_counts(self) -> collections.Counter:
+        return collections.Counter(op_name(n) for n in self.graph.nodes if n.op == "call_function")
+
+    def print_readable(self, **kwargs) -> str:
+        return self.graph_module.print_readable(**kwargs)
+
+    def summary(self) -> str:
+        from .inspect import summary_table
+
+        return summary_table(self)
+
+    def block_graph(self):
+        from .inspect import block_graph
+
+        return block_graph(self)
+
+    def __repr__(self):
+        return (f"Program({self.family}, mode={self.mode}, nodes={self.node_count()}, "
+                f"weights={'bound' if self.weights is not None else 'unbound'})")
+
+
+def _user_input_ranges(exported, user_nodes):
+    """(flat user-input index, dim) -> (lo, hi) for every symbolic dim of the user inputs."""
+    ranges = {}
+    for index, node in enumerate(user_nodes):
+        for dim, size in enumerate(node.meta["val"].shape):
+            if isinstance(size, torch.SymInt):
+                vr = exported.range_constraints.get(size.node.expr)
+                if vr is not None:
+                    bounded = vr.upper not in (int_oo, sympy.oo)
+                    ranges[(index, dim)] = (int(vr.lower), int(vr.upper) if bounded else math.inf)
+            else:
+                ranges[(index, dim)] = (int(size), int(size))
+    return ranges
+
+
+def _require_states(states):
+    if states is None:
+        raise TypeError("decode programs take (input_ids, states)")
+    return list(states)
+
+
+def op_name(node: torch.fx.Node) -> str:
+    target = node.target
+    name = getattr(target, "__name__", str(target))
+    if hasattr(target, "_schema"):
+        name = target._schema.name.split("::")[-1]
+        namespace = target.namespace if hasattr(target, "namespace") else ""
+        if namespace and namespace != "aten":
+            name = f"{namespace}.{name}"
+    return name
+
+
+def _canonicalize(graph: torch.fx.Graph) -> None:
+    """Rewrite ops whose eager kernels cannot take symbolic sizes into equivalents that can.
+
+    HF pads a prefill shorter than the conv kernel with ``F.pad(x, (K - L, 0))``. The pad
+    kernels insist on concrete widths, so fake-tensor re-propagation of such a graph fails;
+    a zero block concatenated in front is the same computation with symbolic sizes.
+    """
+    _sdpa_gqa(graph)
+    for node in list(graph.nodes):
+        if node.target not in (torch.ops.aten.pad.default, torch.ops.aten.constant_pad_nd.default):
+            continue
+        args = list(node.args)
+        if node.target is torch.ops.aten.pad.default:
+            mode = args[2] if len(args) > 2 else node.kwargs.get("mode", "constant")
+            value = args[3] if len(args) > 3 else node.kwargs.get("value", None)
+            if mode != "constant":
+                continue
+        else:
+            value = args[2] if len(args) > 2 else node.kwargs.get("value", 0.0)
+        x, widths = args[0], args[1]
+        if len(widths) != 2 or not any(isinstance(w, torch.fx.Node) for w in widths):
+            continue
+        left, right = widths
+        with graph.inserting_before(node):
+            pieces = []
+            for width in (left, right):
+                if isinstance(width, int) and width == 0:
+                    pieces.append(None)
+                    continue
+                sizes = [graph.call_function(torch.ops.aten.sym_size.int, (x, d)) for d in range(x.meta["val"].dim() - 1)]
+                block = graph.call_function(torch.ops.aten.new_full.default, (x, [*sizes, width], value or 0.0))
+                pieces.append(block)
+            parts = [p_ for p_ in (pieces[0], x, pieces[1]) if p_ is not None]
+            cat = graph.call_function(torch.ops.aten.cat.default, (parts, -1))
+        cat.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+        node.replace_all_uses_with(cat)
+        graph.erase_node(node)
+
+
+_VIEW_LIKE_NOOPS = (torch.ops.aten.slice.Tensor,)
+
+
+def _repeated_kv_source(node):
+    """``k`` if ``node`` is HF's repeat_kv(k): reshape(expand(unsqueeze(k, 2))) with no-op slices."""
+    if node.target is not torch.ops.aten.reshape.default:
+        return None
+    expand = node.args[0]
+    if expand.target is not torch.ops.aten.expand.default:
+        return None
+    x = expand.args[0]
+    while x.target in _VIEW_LIKE_NOOPS and x.args[2:4] in ((0, sys.maxsize), (0, None)):
+        x = x.args[0]
+    if x.target is not torch.ops.aten.unsqueeze.default or x.args[1] != 2:
+        return None
+    x = x.args[0]
+    while x.target in _VIEW_LIKE_NOOPS and x.args[2:4] in ((0, sys.maxsize), (0, None)):
+        x = x.args[0]
+    return x
+
+
+def _sdpa_gqa(graph: torch.fx.Graph) -> None:
+    """Grouped-query attention as ``sdpa(q, k, v, enable_gqa=True)`` instead of repeat_kv.
+
+    Same values (query head i reads key/value head i // n_rep either way), but the key/value
+    heads stay a plain tensor dimension, so sharding them never has to look through the
+    expand/reshape that repeat_kv builds.
+    """
+    for node in list(graph.nodes):
+        if node.target is not torch.ops.aten.scaled_dot_product_attention.default or node.kwargs.get("enable_gqa"):
+            continue
+        key, value = (_repeated_kv_source(a) for a in node.args[1:3])
+        if key is None or value is None:
+            continue
+        node.args = (node.args[0], key, value, *node.args[3:])
+        node.kwargs = {**node.kwargs, "enable_gqa": True}
+    graph.eliminate_dead_code()
+
+
+def _module_tables(model):
+    """Call-site path -> canonical module FQN and class name, for every module.
+
+    A block reused at several call sites (Zamba2's shared transformer) is either one module
+    object (older transformers) or separate modules with tied parameters (newer). Either
+    way its canonical name is where its parameters are named first, which is also the name
+    of the single graph placeholder export gives each shared weight.
+    """
+    first_name = {}
+    for name, param in model.named_parameters():
+        first_name.setdefault(id(param), name)
+    names, types = {}, {}
+    paths = list(model.named_modules(remove_duplicate=False))
+    for path, module in paths:
+        types[path] = type(module).__name__
+        direct = next(iter(module.parameters(recurse=False)), None)
+        if direct is not None:
+            names[path] = first_name[id(direct)].rpartition(".")[0]
+    for path, module in paths:  # containers: by analogy with a descendant that has weights
+        if path in names:
+            continue
+        names[path] = path
+        for child_path, child_canonical in names.items():
+            if path and child_path.startswith(path + "."):
+                suffix = child_path[len(path):]
+                if child_canonical.endswith(suffix):
+                    names[path] = child_canonical[: -len(suffix)]
+                break
+    return names, types

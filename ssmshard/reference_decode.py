@@ -1,0 +1,42 @@
+"""Hugging Face incremental decoding, the reference that prefill/decode programs are checked against.
+
+The model's own cache does the work: one prefill call over the prompt, then one call per
+next token with the cache passed back. Mamba-family models take and return their cache as
+``cache_params``; the others use ``past_key_values``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .families import cache_kwarg
+
+
+@torch.no_grad()
+def hf_incremental_logits(model, prompt_ids: torch.Tensor, next_tokens: torch.Tensor) -> list[torch.Tensor]:
+    """Logits of HF eager decoding: ``[prefill logits (b, l, v), step 1 (b, 1, v), ...]``.
+
+    ``prompt_ids`` is ``(b, l)``; ``next_tokens`` is ``(b, n)``, fed one column per step
+    (teacher forcing, so the result does not depend on sampling).
+    """
+    kw = cache_kwarg(model)
+    out = model(prompt_ids, use_cache=True)
+    cache = getattr(out, kw)
+    logits = [out.logits]
+    for step in range(next_tokens.shape[1]):
+        out = model(next_tokens[:, step, None], use_cache=True, **{kw: cache})
+        cache = getattr(out, kw)
+        logits.append(out.logits)
+    return logits
+
+
+@torch.no_grad()
+def program_incremental_logits(prefill_program, decode_program, prompt_ids: torch.Tensor,
+                               next_tokens: torch.Tensor) -> list[torch.Tensor]:
+    """The same sequence of logits from captured prefill and decode programs."""
+    logits, states = prefill_program(prompt_ids)
+    out = [logits]
+    for step in range(next_tokens.shape[1]):
+        logits, states = decode_program(next_tokens[:, step, None], states)
+        out.append(logits)
+    return out

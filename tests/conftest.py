@@ -1,0 +1,31 @@
+import os
+import random
+
+import pytest
+import torch
+
+from ssmshard.families import build_small_model
+from ssmshard.testing import randomize_weights
+
+SIX_FAMILIES = ["mamba", "falcon_mamba", "mamba2", "zamba", "zamba2", "llama"]
+
+
+@pytest.fixture
+def fresh_seed(request):
+    """A new seed every run (fresh random inputs), printed on failure for reproduction."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(seed)
+    random.seed(seed)
+    request.node.user_properties.append(("seed", seed))
+    return seed
+
+
+_MODELS = {}
+
+
+def small_model(family: str, **overrides):
+    """A tiny model of ``family`` with O(1)-effect random weights (cached per config)."""
+    key = (family, tuple(sorted(overrides.items())))
+    if key not in _MODELS:
+        _MODELS[key] = randomize_weights(build_small_model(family, **overrides), seed=1)
+    return _MODELS[key]

@@ -1,0 +1,147 @@
+"""The pass framework: registration, pipelines, verification, op-count diffs, dumps, skipping."""
+
+import operator
+
+import pytest
+import torch
+
+import ssmshard
+from ssmshard import passes
+from ssmshard.testing import rel_err
+
+from conftest import small_model
+
+
+@pytest.fixture
+def program():
+    return ssmshard.capture(small_model("mamba"))
+
+
+@pytest.fixture
+def scoped_pass():
+    """Register passes for one test only."""
+    names = []
+
+    def add(name, fn, **kw):
+        passes.register(name, fn, replace=True, **kw)
+        names.append(name)
+        return fn
+
+    yield add
+    for name in names:
+        passes.unregister(name)
+
+
+def _double_then_halve_scan_outputs(program, ctx):
+    """A user pass that really rewrites the graph: out -> (out * 2) * 0.5 after every scan."""
+    graph = program.graph
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is operator.getitem and node.args[1] == 0 \
+                and node.args[0].meta["ssmshard"]["role"] == "scan":
+            users = list(node.users)
+            with graph.inserting_after(node):
+                doubled = graph.call_function(torch.ops.aten.mul.Tensor, (node, 2.0))
+            with graph.inserting_after(doubled):
+                halved = graph.call_function(torch.ops.aten.mul.Tensor, (doubled, 0.5))
+            for new in (doubled, halved):
+                new.meta["ssmshard"] = dict(node.meta["ssmshard"])
+            for user in users:
+                user.replace_input_with(node, halved)
+    return program
+
+
+def test_user_registered_pass_runs_and_records_op_diff(program, scoped_pass, fresh_seed):
+    scoped_pass("double_then_halve", _double_then_halve_scan_outputs)
+    ids = torch.randint(0, 256, (2, 9))
+    before = program(ids)
+    out = passes.run_pipeline(program, ["double_then_halve"])
+    assert out.history[-1]["pass"] == "double_then_halve"
+    assert out.history[-1]["op_diff"] == {"mul": 4}  # two scans, two muls each
+    assert rel_err(out(ids), before) < 1e-6
+
+
+def test_decorator_registration_and_options(program, scoped_pass):
+    seen = {}
+
+    @passes.register("record_options")
+    def record_options(program, ctx):
+        seen.update(ctx.options)
+        return program
+
+    try:
+        passes.run_pipeline(program, [("record_options", {"threshold": 3})])
+        assert seen == {"threshold": 3}
+        assert "record_options" in passes.registered()
+    finally:
+        passes.unregister("record_options")
+
+
+def test_duplicate_registration_is_refused(scoped_pass):
+    scoped_pass("only_once", lambda p, c: p)
+    with pytest.raises(ValueError, match="already registered"):
+        passes.register("only_once", lambda p, c: p)
+
+
+def test_verifier_names_the_pass_that_corrupts_the_graph(program, scoped_pass):
+    def break_shapes(program, ctx):
+        # Feed in_proj's (b, l, 2d) output where out_proj expects (b, l, d).
+        linears = {n.meta["ssmshard"]["role"]: n for n in program.graph.nodes
+                   if n.op == "call_function" and n.target is torch.ops.aten.linear.default}
+        out_proj = linears["out_proj"]
+        out_proj.args = (linears["in_proj"], *out_proj.args[1:])
+        return program
+
+    scoped_pass("break_shapes", break_shapes)
+    with pytest.raises(passes.PassVerificationError, match="break_shapes"):
+        passes.run_pipeline(program, ["break_shapes"])
+
+
+def test_verifier_catches_lost_tags_and_malformed_graphs(program, scoped_pass):
+    def drop_tags(program, ctx):
+        next(n for n in program.graph.nodes if n.op == "call_function").meta.pop("ssmshard")
+        return program
+
+    def dangling_use(program, ctx):
+        graph = program.graph
+        first = next(n for n in graph.nodes if n.op == "call_function")
+        # A node used before it is defined: lint must reject the graph.
+        with graph.inserting_before(first):
+            user = graph.call_function(torch.ops.aten.neg.default, (first,))
+        user.meta["ssmshard"] = dict(first.meta["ssmshard"])
+        return program
+
+    scoped_pass("drop_tags", drop_tags)
+    scoped_pass("dangling_use", dangling_use)
+    with pytest.raises(passes.PassVerificationError, match="drop_tags.*tags"):
+        passes.run_pipeline(program, ["drop_tags"])
+    with pytest.raises(passes.PassVerificationError, match="dangling_use"):
+        passes.run_pipeline(ssmshard.capture(small_model("mamba")), ["dangling_use"])
+
+
+def test_skip_by_name_and_debug_dumps(program, scoped_pass, tmp_path):
+    calls = []
+    scoped_pass("noted", lambda p, c: calls.append(1) or p)
+    passes.run_pipeline(program, ["noted", "tag"], skip={"noted"}, debug_dir=str(tmp_path))
+    assert calls == []
+    assert program.history[-2] == {"pass": "noted", "skipped": True}
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["01_tag_after.txt", "01_tag_before.txt"]
+    assert "ssd_scan" not in (tmp_path / "01_tag_after.txt").read_text()
+    assert "selective_scan" in (tmp_path / "01_tag_after.txt").read_text()
+
+
+def test_unknown_pass_lists_registered_ones(program):
+    with pytest.raises(KeyError, match="tag"):
+        passes.run_pipeline(program, ["no_such_pass"])
+
+
+def test_bucket_siblings_replay_the_pipeline(scoped_pass, fresh_seed):
+    """A shape-bucket sibling captured later gets the same passes as the program it serves."""
+    scoped_pass("double_then_halve", _double_then_halve_scan_outputs)
+    model = small_model("mamba")
+    prefill = passes.run_pipeline(ssmshard.capture(model, mode="prefill"), ["double_then_halve"])
+    ids = torch.randint(0, 256, (2, 2))  # shorter than the conv kernel: a new bucket
+    logits, _ = prefill(ids)
+    (sibling,) = prefill.siblings
+    assert [h["pass"] for h in sibling.history] == ["tag", "double_then_halve"]
+    with torch.no_grad():
+        assert rel_err(logits, model(ids).logits) < 1e-5
