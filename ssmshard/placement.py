@@ -45,8 +45,14 @@ class Segment:
 
 @dataclasses.dataclass(frozen=True)
 class Replicate:
+    # True when every rank holds the whole value but uses it only for its own shard of the
+    # work (Mamba-2's B/C with fewer groups than ranks, a lone key/value head): its gradient
+    # is then a partial sum per rank, so no tp_copy may be put on it, and the weight rows
+    # behind it are summed after backward (DistributedModule.sync_replicated_grads).
+    partial_grad: bool = False
+
     def __str__(self):
-        return "R"
+        return "R~" if self.partial_grad else "R"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,10 +92,16 @@ def even(size: int, tp: int) -> Segment:
 
 
 def normalize(placement: Placement) -> Placement:
-    """A shard whose every segment is held whole by every rank is just replication."""
+    """A shard whose every segment is held whole by every rank is replication (with partial grads)."""
     if isinstance(placement, Shard) and all(s.pieces == 1 for s in placement.segments):
-        return REPLICATE
+        return Replicate(partial_grad=True)
     return placement
+
+
+def same_data(a: Placement, b: Placement) -> bool:
+    """Whether two placements put the same values on every rank (gradient flavour aside)."""
+    a, b = normalize(a), normalize(b)
+    return (isinstance(a, Replicate) and isinstance(b, Replicate)) or a == b
 
 
 def local_slice(tensor: torch.Tensor, placement: Placement, rank: int) -> torch.Tensor:

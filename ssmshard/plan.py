@@ -16,7 +16,7 @@ import dataclasses
 import fnmatch
 from typing import Callable
 
-from .placement import REPLICATE, Placement, Segment, Shard, even, normalize
+from .placement import REPLICATE, Placement, Segment, Shard, even
 
 
 class PlanError(ValueError):
@@ -55,9 +55,16 @@ def _defaults(vocab_parallel: bool) -> list[Rule]:
         Rule("attn_kv", block="attention", role="k_proj"),
         Rule("attn_kv", block="attention", role="v_proj"),
         Rule("rowwise", block="attention", role="o_proj"),
-        # MLP: gate/up colwise, down rowwise.
+        # MLP: gate/up colwise, down rowwise; a fused gate_up (Zamba2) is two packed segments.
         *[Rule("colwise", block="mlp", role=r) for r in ("gate_proj", "up_proj")],
+        Rule("packed_halves", block="mlp", role="gate_up_proj"),
         Rule("rowwise", block="mlp", role="down_proj"),
+        # Zamba2's per-call-site LoRA adapters: the down-projection (first linear) stays replicated,
+        # the up-projection (second) is split like the base projection it is added to.
+        Rule("attn_q", glob="*linear_q_adapter_list.*.1.weight"),
+        Rule("attn_kv", glob="*linear_k_adapter_list.*.1.weight"),
+        Rule("attn_kv", glob="*linear_v_adapter_list.*.1.weight"),
+        Rule("packed_halves", glob="*gate_up_proj_adapter_list.*.1.weight"),
     ]
 
 
@@ -91,9 +98,11 @@ class Plan:
         """Placement of every weight of ``program``; raises PlanError before any distributed work."""
         blocks = weight_blocks(program)
         placements = {}
+        if self.tp == 1:
+            return {fqn: REPLICATE for fqn in program.param_specs}
         for fqn, spec in program.param_specs.items():
             rule = self.rule_for(fqn, blocks.get(fqn), spec.role)
-            placements[fqn] = normalize(STYLES[rule.style](self.tp, fqn, spec, model))
+            placements[fqn] = STYLES[rule.style](self.tp, fqn, spec, model)
         return placements
 
     def explain(self, program, model=None) -> str:
@@ -105,7 +114,7 @@ class Plan:
             where = f"block={blocks.get(fqn)} role={spec.role}"
             placement = ""
             if model is not None:
-                placement = " -> " + str(normalize(STYLES[rule.style](self.tp, fqn, spec, model)))
+                placement = " -> " + str(STYLES[rule.style](self.tp, fqn, spec, model))
             lines.append(f"  {fqn:<60} {where:<32} {rule.style}{placement}")
         return "\n".join(lines)
 
@@ -204,7 +213,14 @@ def _mamba2_conv(tp, fqn, spec, model):
 
 
 def _attention_heads(model, fqn):
-    attn = model.get_submodule(fqn.rsplit(".", 2)[0])  # the attention module owning this projection
+    path = fqn
+    while True:  # the attention module owning this projection (or adapter)
+        path = path.rpartition(".")[0]
+        attn = model.get_submodule(path)
+        if hasattr(attn, "q_proj") and hasattr(attn, "head_dim"):
+            break
+        if not path:
+            raise PlanError(f"{fqn}: no attention module above this weight")
     head_dim = attn.head_dim
     return attn, head_dim, attn.q_proj.out_features // head_dim, attn.k_proj.out_features // head_dim
 
@@ -222,6 +238,11 @@ def _attn_kv(tp, fqn, spec, model):
     return Shard(0, (seg,))
 
 
+def _packed_halves(tp, fqn, spec, model):
+    half = _split(spec.shape[0] // 2, tp, fqn, "rows of each half of a fused projection")
+    return Shard(0, (half, half))  # rows are [gate | up]: each rank takes its rows of both
+
+
 def _vocab(tp, fqn, spec, model):
     return Shard(0, (_split(spec.shape[0], tp, fqn, "vocabulary entries (pad the vocabulary or use "
                                                      "Plan(vocab_parallel=False))"),))
@@ -230,5 +251,5 @@ def _vocab(tp, fqn, spec, model):
 STYLES: dict[str, Callable] = {
     "replicate": _replicate, "colwise": _colwise, "rowwise": _rowwise, "channels": _channels,
     "vocab": _vocab, "mamba1_in_proj": _mamba1_in_proj, "mamba2_in_proj": _mamba2_in_proj,
-    "mamba2_conv": _mamba2_conv, "attn_q": _attn_q, "attn_kv": _attn_kv,
+    "mamba2_conv": _mamba2_conv, "attn_q": _attn_q, "attn_kv": _attn_kv, "packed_halves": _packed_halves,
 }

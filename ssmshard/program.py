@@ -40,6 +40,7 @@ class ParamSpec:
     shape: tuple[int, ...]
     dtype: torch.dtype
     role: str = ""  # filled by the tag pass from the consuming nodes
+    placement: Any = None  # set by the shard pass: how this weight is split over ranks
 
 
 @dataclasses.dataclass
@@ -126,6 +127,13 @@ class Program:
         gm = exported.graph_module
         _canonicalize(gm.graph)
         gm.graph.eliminate_dead_code()
+        # Tied weights (lm_head = embeddings) are lifted under both names with one of them
+        # unused; keep the graph's inputs to the weights it reads.
+        for node, spec in zip(placeholders, list(inputs)):
+            if spec.kind != "user" and not node.users:
+                gm.graph.erase_node(node)
+                inputs.remove(spec)
+                param_specs.pop(spec.target, None)
         gm.recompile()
         return cls(gm, mode=mode, family=family, inputs=inputs, param_specs=param_specs,
                    state_specs=state_specs, module_names=module_names, module_types=module_types,
@@ -227,6 +235,12 @@ class Program:
         from .inspect import summary_table
 
         return summary_table(self)
+
+    def report(self) -> str:
+        """Sharding report: each weight's placement and local shape, then every collective."""
+        from .inspect import sharding_report
+
+        return sharding_report(self)
 
     def block_graph(self):
         from .inspect import block_graph

@@ -143,4 +143,9 @@ def tag(program, ctx):
             if roles:
                 tags["role"] = roles[0]
         node.meta["ssmshard"] = tags
+    for node in program.graph.nodes:  # a mixer's gated norm weight is named like any norm's
+        if node.op == "placeholder" and node.name in weight_role:
+            if any(u.meta.get("ssmshard", {}).get("role") == "gate_norm" for u in node.users):
+                spec = program.param_specs[next(i.target for i in program.inputs if i.name == node.name)]
+                spec.role = "gate_norm"
     return program

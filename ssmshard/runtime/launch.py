@@ -1,0 +1,33 @@
+"""Start N local processes with an initialised process group (gloo on CPU, NCCL on GPU)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, backend, fn, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(fn, nprocs: int, *args, backend: str | None = None) -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``nprocs`` processes; re-raise the first failure."""
+    backend = backend or ("nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= nprocs else "gloo")
+    mp.spawn(_worker, args=(nprocs, _free_port(), backend, fn, args), nprocs=nprocs, join=True)
