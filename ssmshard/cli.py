@@ -89,6 +89,26 @@ def cmd_inspect(args) -> int:
             print(f"  {src[0]} [{src[1]}] -> {dst[0]} [{dst[1]}]")
     print(f"captured {type(model).__name__} ({args.mode}) in {seconds:.2f}s; "
           f"shapes served: {program.describe_ranges() or 'static'}")
+    if args.tp > 1:
+        return _inspect_sharding(program, model, args.tp, args.rank)
+    return 0
+
+
+def _inspect_sharding(program, model, tp, rank) -> int:
+    """Plan, shard and report one rank's program on meta: no process group, no weights."""
+    import ssmshard
+    from .passes import run_pipeline
+
+    plan = ssmshard.Plan(tp=tp)
+    try:
+        placements = plan.layout(program, model)
+    except ssmshard.PlanError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(plan.explain(program, model))
+    options = {"placements": placements, "rank": rank, "tp": tp, "group": "inspect", "training": False}
+    sharded = run_pipeline(program, [("shard", options), "collectives"])
+    print(sharded.report())
     return 0
 
 
@@ -190,6 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=("forward", "prefill", "decode"), default="forward")
     p.add_argument("--graph", action="store_true", help="also print the full graph")
     p.add_argument("--blocks", action="store_true", help="also print the block graph's edges")
+    p.add_argument("--tp", type=int, default=1, help="also plan and shard for this many ranks and report")
+    p.add_argument("--rank", type=int, default=0, help="the rank whose sharded program --tp reports")
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("demo", help="capture a tiny model and check its programs against HF eager")
