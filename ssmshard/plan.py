@@ -150,10 +150,6 @@ def _grouped(count: int, unit: int, tp: int, fqn: str, what: str) -> Segment:
                     f"replicated to whole ranks ({tp} % {count} != 0); choose tp dividing {count} or a multiple of it")
 
 
-def _module(model, fqn):
-    return model.get_submodule(fqn.rpartition(".")[0])
-
-
 def _mixer(model, fqn):
     path = fqn.rpartition(".")[0]
     while path:

@@ -105,12 +105,8 @@ class _Sharder:
             self.place[copied] = REPLICATE
         return self.copied[node]
 
-    def replace_arg(self, node, old, new):
-        node.replace_input_with(old, new)
-
     # ------------------------------------------------------------------ driver
     def run(self):
-        user_index = 0
         inputs = {i.name: i for i in self.program.inputs}
         fake_mode = None
         for node in list(self.graph.nodes):
@@ -118,7 +114,6 @@ class _Sharder:
                 spec = inputs[node.name]
                 if spec.kind == "user":
                     self.place[node] = REPLICATE
-                    user_index += 1
                     continue
                 placement = self.weights.get(spec.target, REPLICATE)
                 self.place[node] = placement
@@ -158,7 +153,7 @@ class _Sharder:
         if any(isinstance(p, Partial) for p in placements) and not self._partial_ok(node):
             for a, p in zip(tensor_inputs, placements):
                 if isinstance(p, Partial):
-                    self.replace_arg(node, a, self.all_reduce(a))
+                    node.replace_input_with(a, self.all_reduce(a))
             if all(not isinstance(self.place.get(a, REPLICATE), (Shard, Partial)) for a in node.all_input_nodes):
                 self.place[node] = self._replicated_output(node)
                 return
@@ -200,7 +195,7 @@ class _Sharder:
                     or not isinstance(val, torch.Tensor) or not val.is_floating_point()
                     or arg.target is ssm.tp_copy.default):
                 continue
-            self.replace_arg(node, arg, self.tp_copy(arg))
+            node.replace_input_with(arg, self.tp_copy(arg))
 
     def finish_outputs(self, output):
         values = output.args[0]
@@ -229,10 +224,6 @@ class _Sharder:
 
 
 # ---------------------------------------------------------------------- rules
-def _dim(node, d):
-    return d % len(_shape(node))
-
-
 def _rule_unary(s: _Sharder, node):
     return s.place[node.args[0]]
 
