@@ -1,6 +1,13 @@
 import os
 import random
 
+import torch as _torch
+
+# Triton kernels run under Triton's CPU interpreter where no GPU is present. The variable
+# must be set before any kernel module is imported: @triton.jit reads it at decoration time.
+if not _torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 import torch
 
