@@ -40,11 +40,10 @@ def _defaults(vocab_parallel: bool) -> list[Rule]:
     return [
         Rule("replicate"),  # anything not named below: norms, embeddings, small adapters
         Rule(head, role="lm_head"),
-        # Mamba-1 / Falcon-Mamba / Zamba mixers: channels split, x_proj and out_proj row-parallel.
-        Rule("mamba1_in_proj", block="mamba1", role="in_proj"),
-        *[Rule("channels", block="mamba1", role=r) for r in ("conv", "dt_proj", "A_log", "D")],
-        Rule("rowwise", block="mamba1", role="x_proj"),
-        Rule("rowwise", block="mamba1", role="out_proj"),
+        # Mamba-1 / Falcon-Mamba / Zamba mixers: channels split (within each of Zamba's Mamba
+        # heads), x_proj and out_proj row-parallel.
+        *[Rule("mamba1", block="mamba1", role=r) for r in ("in_proj", "conv", "x_proj", "dt_proj", "A_log", "D",
+                                                            "out_proj")],
         # Mamba-2 / Zamba2 mixers: packed [z, x, B, C, dt]; heads split, groups split or replicated.
         Rule("mamba2_in_proj", block="mamba2", role="in_proj"),
         Rule("mamba2_conv", block="mamba2", role="conv"),
@@ -185,10 +184,38 @@ def _channels(tp, fqn, spec, model):
     return Shard(0, (_split(spec.shape[0], tp, fqn, "channels"),))
 
 
-def _mamba1_in_proj(tp, fqn, spec, model):
-    d = _mixer(model, fqn).intermediate_size
-    x = _split(d, tp, fqn, "SSM channels (intermediate_size)")
-    return Shard(0, (x, x))  # rows are [x | z]: each rank takes its x rows and its z rows
+def _mamba1(tp, fqn, spec, model):
+    """Mamba-1 mixers, and Zamba's multi-head variant, split by channel.
+
+    Zamba cuts d_inner into ``n_mamba_heads`` heads, each a full Mamba-1 mixer with its own
+    x_proj/dt_proj/A/D (stacked on a leading head dim), and its in_proj rows interleave x and z
+    per channel. Every rank takes the same share of every head's channels, so each head's
+    scan stays local and x_proj's output is all-reduced per head as in Mamba-1; splitting
+    whole heads instead would need n_mamba_heads % tp == 0, which Zamba-7B (2 heads) breaks.
+    """
+    if spec.role == "out_proj" and _is_bias(fqn):
+        return REPLICATE  # added once, after the all-reduce
+    mixer = _mixer(model, fqn)
+    heads = getattr(mixer, "n_mamba_heads", None)
+    d = mixer.intermediate_size
+    if heads is None:  # plain Mamba-1 / Falcon-Mamba
+        channels = _split(d, tp, fqn, "SSM channels (intermediate_size)")
+        return {"in_proj": Shard(0, (channels, channels)),  # rows are [x | z]
+                "x_proj": Shard(1, (channels,)),
+                "out_proj": Shard(1, (channels,))}.get(spec.role, Shard(0, (channels,)))
+    head_dim = d // heads
+    channels = _split(head_dim, tp, fqn, f"channels of each of the {heads} Mamba heads (mamba_head_dim)")
+    if spec.role == "in_proj":
+        # rows (2 * d_inner) are [x_0, z_0, x_1, z_1, ...]: a rank's channels of a head are
+        # one contiguous run of 2 * head_dim / tp rows inside that head's 2 * head_dim.
+        return Shard(0, (Segment(2 * head_dim, channels.pieces),) * heads)
+    if spec.role == "conv":
+        return Shard(0, (channels,) * heads)
+    if spec.role == "out_proj":
+        return Shard(1, (channels,) * heads)
+    if spec.role == "x_proj":  # (heads, dt_rank + 2 * N, head_dim): row-parallel per head
+        return Shard(2, (channels,))
+    return Shard(1, (channels,))  # dt_proj weight/bias, A_log, D: (heads, head_dim, ...)
 
 
 def _mamba2_segments(tp, fqn, model, with_gate_and_dt: bool):
@@ -246,6 +273,6 @@ def _vocab(tp, fqn, spec, model):
 
 STYLES: dict[str, Callable] = {
     "replicate": _replicate, "colwise": _colwise, "rowwise": _rowwise, "channels": _channels,
-    "vocab": _vocab, "mamba1_in_proj": _mamba1_in_proj, "mamba2_in_proj": _mamba2_in_proj,
+    "vocab": _vocab, "mamba1": _mamba1, "mamba2_in_proj": _mamba2_in_proj,
     "mamba2_conv": _mamba2_conv, "attn_q": _attn_q, "attn_kv": _attn_kv, "packed_halves": _packed_halves,
 }

@@ -21,6 +21,7 @@ FORWARD_CASES = [
     ("mamba2", {"n_groups": 4}, {}),
     ("llama", {}, {}),  # 2 kv heads: replicated at tp 4
     ("llama", {"num_key_value_heads": 1}, {"vocab_parallel": False}),
+    ("zamba", {}, {}),  # 2 Mamba heads, each split by channel; shared attention at two call sites
     ("zamba2", {}, {}),  # shared attention block at two call sites, with adapters
 ]
 
@@ -38,7 +39,7 @@ def test_logits_match_hf_eager(tp, tmp_path, fresh_seed):
 
 
 @pytest.mark.parametrize("tp, cases", [
-    (2, [("mamba", {}), ("llama", {}), ("mamba2", {"n_groups": 1})]),
+    (2, [("mamba", {}), ("llama", {}), ("mamba2", {"n_groups": 1}), ("zamba", {})]),
     # Rows shared by a subset of ranks: B/C groups and key/value heads held by two ranks each,
     # summed by sync_replicated_grads.
     (4, [("mamba2", {"n_groups": 2}), ("llama", {"num_key_value_heads": 2}),
@@ -69,6 +70,9 @@ def test_invalid_plan_names_the_parameter_and_numbers_before_any_process_group()
     odd_groups = small_model("mamba2", hidden_size=48, num_heads=12, head_dim=8, n_groups=3)
     with pytest.raises(PlanError, match=r"3 SSM groups \(n_groups\).*tp=4"):
         ssmshard.Plan(tp=4).layout(ssmshard.capture(odd_groups), odd_groups)
+    zamba = small_model("zamba", n_mamba_heads=4)  # 4 heads of 32 channels
+    with pytest.raises(PlanError, match=r"32 channels of each of the 4 Mamba heads.*tp=3"):
+        ssmshard.Plan(tp=3).layout(ssmshard.capture(zamba), zamba)
     with pytest.raises(PlanError):
         ssmshard.parallelize(model, ssmshard.Plan(tp=3))  # fails before asking for a process group
 

@@ -19,6 +19,7 @@ never a silent fallback to replication.
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -450,34 +451,43 @@ def _rule_view(s: _Sharder, node):
     for gi, gj in _view_groups(in_shape, out_shape):
         if p.dim not in gi:
             continue
-        sizes = [_hint(in_shape[d]) for d in gi]
-        out_sizes = [_hint(out_shape[d]) for d in gj]
-        inner_in = 1
-        for d in gi[gi.index(p.dim) + 1:]:
-            inner_in *= _hint(in_shape[d])
-        outer_in = 1
-        for d in gi[:gi.index(p.dim)]:
-            outer_in *= _hint(in_shape[d])
-        if outer_in != 1:
-            s.fail(node, "view merges an unsharded outer dim into the sharded one")
-        if len(p.segments) != 1:
-            if len(gi) == 1 and len(gj) == 1:
-                return p.with_dim(gj[0])
-            s.fail(node, f"view reshapes a packed dim {p}")
-        seg = p.segments[0]
-        # Split: the sharded (outermost) factor takes the cut. Merge: inner dims ride along.
-        target = gj[0]
-        out_outer = out_sizes[0]
-        inner_out = 1
-        for v in out_sizes[1:]:
-            inner_out *= v
-        total = seg.size * inner_in
-        if out_outer * inner_out != total or out_outer % seg.pieces:
-            s.fail(node, f"view cannot keep the cut of {p} on an output dim of size {out_outer}")
-        new = Shard(target, (Segment(out_outer, seg.pieces, seg.stride),))
-        _rewrite_size(s, node, target, out_outer // seg.pieces)
-        return new
+        if len(gi) == 1 and len(gj) == 1:
+            return p.with_dim(gj[0])
+        placement = _reshape_cut(s, node, p, [_hint(in_shape[d]) for d in gi], gi.index(p.dim),
+                                 [_hint(out_shape[d]) for d in gj])
+        target = gj[placement.dim]
+        _rewrite_size(s, node, target, placement.local_size)
+        return placement.with_dim(target)
     return p
+
+
+def _reshape_cut(s, node, p, in_sizes, position, out_sizes) -> Shard:
+    """Where the cut of ``p`` lands when dims ``in_sizes`` (the sharded one at ``position``) are
+    reshaped into ``out_sizes``; the result's ``dim`` indexes ``out_sizes``.
+
+    The flattened group is ``outer`` repeats of the sharded dim's segments, each scaled by the
+    dims inside it. An output dim can carry that cut when the dims before it count whole
+    repeats of a segment pattern and the dims after it divide every segment and every rank's
+    chunk: a split of Zamba's interleaved in_proj rows (d_inner * 2 -> d_inner, 2) keeps the
+    cut on d_inner, and (heads * head_dim -> heads, head_dim) with one segment per head moves
+    it to head_dim. Anything else would interleave ranks' data and fails.
+    """
+    outer = math.prod(in_sizes[:position])
+    inner = math.prod(in_sizes[position + 1:])
+    if outer > 1 and len(p.segments) * outer > 4096:
+        s.fail(node, f"view merges {outer} unsharded outer elements into the sharded dim of {p}")
+    flat = [seg.scaled(inner) for seg in p.segments] * outer
+    before = 1
+    for t, size in enumerate(out_sizes):
+        after = math.prod(out_sizes[t + 1:])
+        if len(flat) % before == 0:
+            pattern = flat[:len(flat) // before]
+            repeats = pattern * before == flat
+            fits = all(seg.size % after == 0 and seg.local % after == 0 for seg in pattern)
+            if repeats and fits and sum(seg.size for seg in pattern) == size * after:
+                return Shard(t, tuple(Segment(seg.size // after, seg.pieces, seg.stride) for seg in pattern))
+        before *= size
+    s.fail(node, f"view cannot keep the cut of {p} when reshaping {in_sizes} into {out_sizes}")
 
 
 def _rewrite_size(s, node, dim, local):
@@ -507,7 +517,8 @@ def _rule_cat(s: _Sharder, node):
         s.fail(node, f"concatenates differently placed tensors {placements}")
     (p,) = placements
     if isinstance(p, Shard) and p.dim == dim:
-        s.fail(node, "concatenates along the sharded dim")
+        # Zamba's per-head scan outputs, concatenated by head: each input's segments in order.
+        return Shard(dim, p.segments * len(tensors))
     return p
 
 

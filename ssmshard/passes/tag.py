@@ -137,11 +137,13 @@ def tag(program, ctx):
             continue
         tags = tag_node(node, program)
         if tags["role"] == "body":
-            # Weights used without calling their module (``self.dt_proj.weight @ x``, ``A_log``)
-            # still name the computation.
+            # Weights used without calling their module (``self.dt_proj.weight @ x``, ``A_log``,
+            # Zamba's ``x_proj_weight[:, None] @ x``) still name the computation.
             roles = [weight_role[a.name] for a in node.all_input_nodes if a.name in weight_role]
             if roles:
                 tags["role"] = roles[0]
+        if node.all_input_nodes and all(a.name in weight_role for a in node.all_input_nodes):
+            weight_role[node.name] = tags["role"]  # a view or cast of a weight names its users too
         node.meta["ssmshard"] = tags
     for node in program.graph.nodes:  # a mixer's gated norm weight is named like any norm's
         if node.op == "placeholder" and node.name in weight_role:
