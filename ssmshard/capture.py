@@ -7,8 +7,13 @@ model, with the modeling file's kernel functions swapped for ssmshard custom ops
 Three modes, each a pure function of its inputs (weights are graph inputs too):
 
 * ``forward``:  ``input_ids -> logits``                      (scoring / training)
-* ``prefill``:  ``input_ids -> (logits, states)``            (states: per-layer conv/SSM/KV)
-* ``decode``:   ``(input_ids[b, 1], states) -> (logits, states)``
+* ``prefill``:  ``(input_ids, attention_mask, position_ids) -> (last logits, states)``
+                 (states: per-layer conv/SSM/KV)
+* ``decode``:   ``(input_ids[b, 1], attention_mask[b, past+1], position_ids[b, 1], states)
+                 -> (logits, states)``
+
+Prefill and decode see the inputs Hugging Face ``generate`` builds for each step (left
+padding masks, position ids), so they decode token for token like it.
 
 Decode rebuilds a Hugging Face cache object from the state tensors inside the traced
 function, so the model's own cache logic is what gets captured, version by version, and
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import time
 import warnings
 
@@ -48,28 +54,49 @@ class _Forward(torch.nn.Module):
         return self.model(input_ids=input_ids, use_cache=False, return_dict=True).logits
 
 
+def _generation_inputs(model, input_ids, attention_mask, position_ids, first: bool, **extra):
+    """The model inputs Hugging Face ``generate`` would build for this step.
+
+    ``prepare_inputs_for_generation`` is each family's own logic (Mamba drops the mask after
+    prefill, Zamba keeps only the last logits, ...), so capturing it keeps decoding
+    token-for-token identical to HF generate. ``position_ids`` reach only models that take them.
+    """
+    kwargs = dict(attention_mask=attention_mask, use_cache=True, is_first_iteration=first, **extra)
+    if "position_ids" in inspect.signature(model.forward).parameters:
+        kwargs["position_ids"] = position_ids
+    inputs = model.prepare_inputs_for_generation(input_ids, **kwargs)
+    inputs["return_dict"] = True
+    return inputs
+
+
 class _Prefill(torch.nn.Module):
+    """``(input_ids, attention_mask, position_ids) -> (last-token logits, *states)``."""
+
     def __init__(self, model, cache_kwarg):
         super().__init__()
         self.model = model
         self.cache_kwarg = cache_kwarg
 
-    def forward(self, input_ids):
-        out = self.model(input_ids=input_ids, use_cache=True, return_dict=True)
+    def forward(self, input_ids, attention_mask, position_ids):
+        out = self.model(**_generation_inputs(self.model, input_ids, attention_mask, position_ids, True))
         cache = getattr(out, self.cache_kwarg)
-        return out.logits, *flatten_states(cache)
+        return out.logits[:, -1:], *flatten_states(cache)
 
 
 class _Decode(torch.nn.Module):
+    """``(input_ids[b, 1], attention_mask[b, past + 1], position_ids[b, 1], states) -> (logits, *states)``."""
+
     def __init__(self, model, cache_kwarg, template):
         super().__init__()
         self.model = model
         self.cache_kwarg = cache_kwarg
         self.template = template
 
-    def forward(self, input_ids, states):
+    def forward(self, input_ids, attention_mask, position_ids, states):
         cache = rebuild_cache(self.template, states)
-        out = self.model(input_ids=input_ids, use_cache=True, return_dict=True, **{self.cache_kwarg: cache})
+        inputs = _generation_inputs(self.model, input_ids, attention_mask, position_ids, False,
+                                    next_sequence_length=1, **{self.cache_kwarg: cache})
+        out = self.model(**inputs)
         return out.logits, *flatten_states(cache)
 
 
@@ -146,6 +173,14 @@ def _example_ids(model, batch, seq, device):
         torch.zeros(batch, seq, dtype=torch.long, device=device)
 
 
+def _default_mask_and_positions(input_ids, past: int):
+    """An all-ones mask over past + new tokens and consecutive positions: an unpadded batch."""
+    batch, seq = input_ids.shape
+    mask = torch.ones(batch, past + seq, dtype=torch.long, device=input_ids.device)
+    positions = torch.arange(past, past + seq, device=input_ids.device).expand(batch, seq)
+    return mask, positions
+
+
 def _state_template(model, cache_kwarg, device):
     """A populated HF cache from a tiny eager prefill (meta tensors when the model is on meta).
 
@@ -190,8 +225,7 @@ def _recapture(model, family, program, user_inputs) -> Program:
     # already, so lengths are what a sibling is traced for.
     batch, seq = max(2, ids.shape[0]), ids.shape[1]
     if program.mode == "decode":
-        kv = [t for t, spec in zip(user_inputs[1:], program.state_specs) if spec.kind == "key"]
-        seq = kv[0].shape[2] if kv else 1
+        seq = user_inputs[1].shape[1] - 1  # the mask covers past + 1 tokens
     sibling = _capture_one(model, family, program.mode, batch, seq)
     from .passes import replay
 
@@ -211,13 +245,19 @@ def _capture_one(model, family, mode, example_batch, example_seq) -> Program:
         # records the range it serves.
         batch = Dim("batch", min=1)
         state_template = None if mode == "forward" else _state_template(model, cache_kw, device)
-        if mode in ("forward", "prefill"):
-            wrapper = _Forward(model) if mode == "forward" else _Prefill(model, cache_kw)
+        if mode == "forward":
+            wrapper = _Forward(model)
             args = (_example_ids(model, example_batch, example_seq, device),)
             # Forward graphs do not branch on length, so ask for every length >= 1 (AUTO would
-            # start at 2). Prefill branches (short prompts are padded to the conv kernel).
-            seq = Dim("seq", min=1) if mode == "forward" else Dim.AUTO
-            dynamic = ({0: batch, 1: seq},)
+            # start at 2).
+            dynamic = ({0: batch, 1: Dim("seq", min=1)},)
+        elif mode == "prefill":
+            # Prefill branches on length (short prompts are padded to the conv kernel): AUTO.
+            wrapper = _Prefill(model, cache_kw)
+            ids = _example_ids(model, example_batch, example_seq, device)
+            args = (ids, *_default_mask_and_positions(ids, 0))
+            seq = Dim.AUTO
+            dynamic = ({0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch, 1: seq})
         else:
             wrapper = _Decode(model, cache_kw, state_template)
             states, dynamic_states = [], []
@@ -230,8 +270,9 @@ def _capture_one(model, family, mode, example_batch, example_seq) -> Program:
                     dims[2] = Dim.AUTO  # a named Dim trips an unprovable stride guard in HF attention
                 states.append(torch.zeros(shape, dtype=tensor.dtype, device=device))
                 dynamic_states.append(dims)
-            args = (_example_ids(model, example_batch, 1, device), states)
-            dynamic = ({0: batch}, dynamic_states)
+            ids = _example_ids(model, example_batch, 1, device)
+            args = (ids, *_default_mask_and_positions(ids, example_seq), states)
+            dynamic = ({0: batch}, {0: batch, 1: Dim.AUTO}, {0: batch}, dynamic_states)
         try:
             exported = torch.export.export(wrapper, args, dynamic_shapes=dynamic, strict=False)
         except torch._dynamo.exc.UserError:

@@ -209,13 +209,30 @@ class Program:
                  if lo != hi]
         return "; ".join(parts[:4]) + (" ..." if len(parts) > 4 else "")
 
-    def __call__(self, input_ids, states=None):
-        user = [input_ids] if self.mode != "decode" else [input_ids, *_require_states(states)]
+    def __call__(self, input_ids, states=None, *, attention_mask=None, position_ids=None):
+        """forward: ``logits``; prefill/decode: ``(logits, states)``. Without ``attention_mask``
+        the batch is taken as unpadded (decode: past length read from the key/value states)."""
+        user = [input_ids]
+        if self.mode != "forward":
+            states = _require_states(states) if self.mode == "decode" else []
+            if attention_mask is None:
+                past = self.past_length(states) if self.mode == "decode" else 0
+                attention_mask = input_ids.new_ones(input_ids.shape[0], past + input_ids.shape[1])
+            if position_ids is None:
+                past = attention_mask.shape[1] - input_ids.shape[1]
+                position_ids = torch.arange(past, attention_mask.shape[1], device=input_ids.device)
+                position_ids = position_ids.expand(input_ids.shape[0], -1)
+            user = [input_ids, attention_mask, position_ids, *states]
         target = self.for_shapes(user)
         outputs = target.graph_module(*target.weight_args(), *user)
         if self.mode == "forward":
             return outputs[0] if isinstance(outputs, (tuple, list)) else outputs
         return outputs[0], list(outputs[1:])
+
+    def past_length(self, states) -> int:
+        """Tokens already seen, from the key states (0 for models without attention)."""
+        keys = [t for t, spec in zip(states, self.state_specs) if spec.kind == "key"]
+        return max((k.shape[2] for k in keys), default=0)
 
     # ----------------------------------------------------------------- inspection
     @property

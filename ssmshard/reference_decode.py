@@ -14,7 +14,7 @@ from .families import cache_kwarg
 
 @torch.no_grad()
 def hf_incremental_logits(model, prompt_ids: torch.Tensor, next_tokens: torch.Tensor) -> list[torch.Tensor]:
-    """Logits of HF eager decoding: ``[prefill logits (b, l, v), step 1 (b, 1, v), ...]``.
+    """Logits of HF eager decoding: ``[prefill's last-token logits (b, 1, v), step 1 (b, 1, v), ...]``.
 
     ``prompt_ids`` is ``(b, l)``; ``next_tokens`` is ``(b, n)``, fed one column per step
     (teacher forcing, so the result does not depend on sampling).
@@ -22,7 +22,7 @@ def hf_incremental_logits(model, prompt_ids: torch.Tensor, next_tokens: torch.Te
     kw = cache_kwarg(model)
     out = model(prompt_ids, use_cache=True)
     cache = getattr(out, kw)
-    logits = [out.logits]
+    logits = [out.logits[:, -1:]]
     for step in range(next_tokens.shape[1]):
         out = model(next_tokens[:, step, None], use_cache=True, **{kw: cache})
         cache = getattr(out, kw)

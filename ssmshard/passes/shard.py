@@ -57,7 +57,13 @@ UNARY = {aten.neg.default, aten.exp.default, aten.rsqrt.default, aten.silu.defau
          aten.pow.Tensor_Scalar, aten.softplus.default, aten.clone.default, aten.contiguous.default,
          aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.alias.default, aten.sigmoid.default,
          aten.tanh.default, aten.relu.default, aten.sqrt.default, aten.reciprocal.default,
-         aten.type_as.default}  # type_as(x, other): x's values, other's dtype
+         aten.type_as.default,  # type_as(x, other): x's values, other's dtype
+         aten.zeros_like.default, aten.empty_like.default, aten.ones_like.default, aten.full_like.default}
+# Fresh tensors from a size list (index of the size argument): the same on every rank, so one
+# can take any placement by allocating the local size (HF's state caches allocate these).
+FACTORIES = {aten.zeros.default: 0, aten.empty.memory_format: 0, aten.ones.default: 0, aten.full.default: 0,
+             aten.new_zeros.default: 1, aten.new_empty.default: 1, aten.new_ones.default: 1,
+             aten.new_full.default: 1}
 BINARY = {aten.add.Tensor, aten.mul.Tensor, aten.sub.Tensor, aten.div.Tensor}
 class _Sharder:
     def __init__(self, program, options):
@@ -68,6 +74,9 @@ class _Sharder:
         self.group = options.get("group", "tp")
         self.training = options.get("training", True)
         self.weights = options["placements"]
+        # Placements of user inputs by position (decode's state inputs arrive sharded).
+        self.input_placements = options.get("input_placements", {})
+        self.output_placements: list = []
         self.place: dict = {}
         self.reduced: dict = {}  # Partial producer -> its all_reduce node
         self.copied: dict = {}  # Replicate activation -> its tp_copy node
@@ -109,24 +118,20 @@ class _Sharder:
     # ------------------------------------------------------------------ driver
     def run(self):
         inputs = {i.name: i for i in self.program.inputs}
-        fake_mode = None
+        user_index = 0
         for node in list(self.graph.nodes):
             if node.op == "placeholder":
                 spec = inputs[node.name]
                 if spec.kind == "user":
-                    self.place[node] = REPLICATE
-                    continue
-                placement = self.weights.get(spec.target, REPLICATE)
+                    placement = self.input_placements.get(user_index, REPLICATE)
+                    user_index += 1
+                else:
+                    placement = self.weights.get(spec.target, REPLICATE)
+                    self.weight_nodes.add(node)
+                    self.program.param_specs[spec.target].placement = placement
                 self.place[node] = placement
-                self.weight_nodes.add(node)
-                param = self.program.param_specs[spec.target]
-                param.placement = placement
                 if isinstance(placement, Shard):
-                    val = node.meta["val"]
-                    fake_mode = fake_mode or detect_fake_mode([val])
-                    with fake_mode:
-                        node.meta["val"] = torch.empty(local_shape(val.shape, placement), dtype=val.dtype,
-                                                       device=val.device)
+                    _make_local(node, placement)
                 continue
             if node.op == "output":
                 self.finish_outputs(node)
@@ -212,6 +217,8 @@ class _Sharder:
                 else:
                     pass  # states stay sharded: each rank keeps its own channels/heads
             new.append(value)
+            self.output_placements.append(self.place.get(value, REPLICATE) if isinstance(value, torch.fx.Node)
+                                          else REPLICATE)
         output.args = (type(values)(new) if isinstance(values, (tuple, list)) else new[0],)
 
     def gather(self, node, placement):
@@ -222,6 +229,13 @@ class _Sharder:
         gathered.meta["ssmshard"]["sync"] = "all_gather"
         self.place[gathered] = REPLICATE
         return gathered
+
+
+def _make_local(node, placement):
+    """Give a sharded placeholder its local shape (the graph's fake value)."""
+    val = node.meta["val"]
+    with detect_fake_mode([val]):
+        node.meta["val"] = torch.empty(local_shape(val.shape, placement), dtype=val.dtype, device=val.device)
 
 
 # ---------------------------------------------------------------------- rules
@@ -510,7 +524,8 @@ def _rule_expand(s: _Sharder, node):
 
 
 def _rule_cat(s: _Sharder, node):
-    tensors = node.args[0]
+    # torch.cat skips 1-D empty tensors (an HF cache's "no keys yet" placeholder): so do we.
+    tensors = [t for t in node.args[0] if _shape(t) != (0,)]
     dim = (node.args[1] if len(node.args) > 1 else 0) % len(_shape(node))
     placements = {s.place.get(t, REPLICATE) for t in tensors}
     if len(placements) != 1:
@@ -520,6 +535,19 @@ def _rule_cat(s: _Sharder, node):
         # Zamba's per-head scan outputs, concatenated by head: each input's segments in order.
         return Shard(dim, p.segments * len(tensors))
     return p
+
+
+def _rule_stack(s: _Sharder, node):
+    """Stacking equally placed tensors (Zamba's per-head states) adds an unsharded dim."""
+    tensors = node.args[0]
+    placements = {s.place.get(t, REPLICATE) for t in tensors}
+    if len(placements) != 1:
+        s.fail(node, f"stacks differently placed tensors {placements}")
+    (p,) = placements
+    if not isinstance(p, Shard):
+        return p
+    dim = (node.args[1] if len(node.args) > 1 else 0) % len(_shape(node))
+    return p.with_dim(p.dim + 1 if dim <= p.dim else p.dim)
 
 
 def _rule_reduce(s: _Sharder, node):
@@ -688,6 +716,30 @@ def _gated_norm_across_ranks(s, node, p):
     return p
 
 
+def _rule_copy(s: _Sharder, node):
+    """``dst.copy_(src)``: HF writes new states into freshly allocated cache buffers."""
+    dst, src = node.args[:2]
+    pd, ps = s.place.get(dst, REPLICATE), s.place.get(src, REPLICATE)
+    if same_data(pd, ps):
+        return ps
+    if isinstance(pd, Replicate) and isinstance(ps, Shard) and dst.target in FACTORIES:
+        _localize_factory(s, dst, ps)
+        return ps
+    s.fail(node, f"copies a {ps} value into a {pd} buffer")
+
+
+def _localize_factory(s, node, placement):
+    """Allocate a factory's local part: its size on the sharded dim becomes the local size."""
+    index = FACTORIES[node.target]
+    sizes = list(node.args[index])
+    if _hint(sizes[placement.dim]) != placement.global_size:
+        s.fail(node, f"allocates {sizes[placement.dim]} where {placement} needs {placement.global_size}")
+    sizes[placement.dim] = placement.local_size
+    node.args = (*node.args[:index], sizes, *node.args[index + 1:])
+    _make_local(node, placement)
+    s.place[node] = placement
+
+
 def _rule_sym_size(s: _Sharder, node):
     p = s.place.get(node.args[0])
     if isinstance(p, Shard) and node.args[1] % len(_shape(node.args[0])) == p.dim:
@@ -719,6 +771,8 @@ RULES = {
     aten.sum.dim_IntList: _rule_reduce,
     aten.scaled_dot_product_attention.default: _rule_sdpa,
     aten.sym_size.int: _rule_sym_size,
+    aten.copy_.default: _rule_copy,
+    aten.stack.default: _rule_stack,
     ssm.causal_conv1d.default: _rule_conv,
     ssm.causal_conv1d_update.default: _rule_conv_update,
     ssm.selective_scan.default: _rule_selective_scan,
@@ -735,7 +789,9 @@ def shard(program, ctx):
 
     options = ctx.options
     declare_group_size(options.get("group", "tp"), options["tp"])
-    _Sharder(program, options).run()
+    sharder = _Sharder(program, options)
+    sharder.run()
     program.graph.eliminate_dead_code()
-    program.shard = {"rank": options["rank"], "tp": options["tp"], "group": options.get("group", "tp")}
+    program.shard = {"rank": options["rank"], "tp": options["tp"], "group": options.get("group", "tp"),
+                     "outputs": sharder.output_placements}
     return program

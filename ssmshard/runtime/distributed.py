@@ -10,7 +10,8 @@ import torch.distributed as dist
 from ..capture import capture
 from ..collectives import all_reduce, register_group
 from ..passes import run_pipeline
-from ..placement import Shard, local_slice
+from ..passes.shard import ShardingError
+from ..placement import Shard, local_slice, same_data
 from ..plan import Plan, PlanError
 
 _group_ids = itertools.count()
@@ -23,11 +24,15 @@ class DistributedModule(torch.nn.Module):
     local parameter's ``.grad`` is this rank's slice of the unsharded model's gradient.
     """
 
-    def __init__(self, program, weights: dict[str, torch.Tensor], plan: Plan, rank: int):
+    def __init__(self, program, weights: dict[str, torch.Tensor], plan: Plan, rank: int, *, model=None,
+                 shard_options=None):
         super().__init__()
         self.program = program
         self.plan = plan
         self.rank = rank
+        self._model = model  # captured again (prefill/decode) on the first generate(); may be on meta
+        self._shard_options = shard_options
+        self._generation = None
         self._names = {}
         for index, (fqn, tensor) in enumerate(weights.items()):
             name = f"w{index}"
@@ -70,10 +75,55 @@ class DistributedModule(torch.nn.Module):
                     local.copy_(full.narrow(placement.dim, seg.offset(self.rank), seg.local))
                 start += seg.local
 
+    def _local_weights(self):
+        return {fqn: getattr(self, name) for fqn, name in self._names.items()}
+
     def forward(self, input_ids):
         # Re-bind so parameters replaced by .to()/load_state_dict are the ones used.
-        self.program.weights = {fqn: getattr(self, name) for fqn, name in self._names.items()}
+        self.program.weights = self._local_weights()
         return self.program(input_ids)
+
+    # ----------------------------------------------------------------- generation
+    def generation_programs(self):
+        """This rank's (prefill, decode) programs, captured and sharded on first use.
+
+        Prefill returns each state sharded like the channels or heads that produce it; decode
+        takes the states with exactly those placements and must return them unchanged, so the
+        state cache never crosses ranks.
+        """
+        if self._generation is None:
+            if self._model is None:
+                raise RuntimeError("this DistributedModule was built without its model; generation needs it")
+            prefill = _sharded(capture(self._model, mode="prefill"), self._model, self.plan, self._shard_options)
+            states = prefill.shard["outputs"][1:]
+            inputs = {3 + i: p for i, p in enumerate(states)}  # after input_ids, attention_mask, position_ids
+            decode = _sharded(capture(self._model, mode="decode"), self._model, self.plan,
+                              {**self._shard_options, "input_placements": inputs})
+            returned = decode.shard["outputs"][1:]
+            for i, (given, back) in enumerate(zip(states, returned)):
+                if not same_data(given, back):
+                    raise ShardingError(f"decode returns state {i} ({decode.state_specs[i]}) as {back} "
+                                        f"but takes it as {given}")
+            self._generation = prefill, decode
+        weights = self._local_weights()
+        for program in self._generation:
+            # Constants lifted by export (e.g. a rotary table) belong to each program itself.
+            program.weights = {fqn: weights[fqn] if fqn in weights else
+                               _local_part(program.constants[fqn], spec.placement, self.rank)
+                               for fqn, spec in program.param_specs.items()}
+        return self._generation
+
+    def state_placements(self):
+        """Placement of each state tensor of the cache (see ``generation_programs``)."""
+        return self.generation_programs()[0].shard["outputs"][1:]
+
+    def generate(self, input_ids, attention_mask=None, **options):
+        """Hugging Face ``generate`` semantics on this rank (every rank returns the same ids):
+        see :func:`ssmshard.runtime.generate.generate` for the options."""
+        from .generate import generate
+
+        prefill, decode = self.generation_programs()
+        return generate(prefill, decode, input_ids, attention_mask, group=_group_of(self.program), **options)
 
 
 def parallelize(model, plan: Plan, *, group=None, device_mesh=None) -> DistributedModule:
@@ -95,14 +145,28 @@ def parallelize(model, plan: Plan, *, group=None, device_mesh=None) -> Distribut
         raise PlanError(f"Plan(tp={plan.tp}) but the process group has {world} ranks; set tp={world}")
     name = f"ssmshard_tp{next(_group_ids)}"
     register_group(name, group)
-    options = {"placements": placements, "rank": rank, "tp": plan.tp, "group": name, "training": plan.training}
-    program = run_pipeline(program, [("shard", options), "collectives"])
+    options = {"rank": rank, "tp": plan.tp, "group": name, "training": plan.training}
+    program = run_pipeline(program, [("shard", {**options, "placements": placements}), "collectives"])
     named = dict(model.named_parameters(remove_duplicate=False))
     named.update(model.named_buffers(remove_duplicate=False))
     weights = {}
     for fqn, spec in program.param_specs.items():
         full = named.get(fqn, program.constants.get(fqn))
-        placement = placements.get(fqn)
-        local = local_slice(full.detach(), placement, rank) if isinstance(placement, Shard) else full.detach()
+        local = _local_part(full.detach(), placements.get(fqn), rank)
         weights[fqn] = local.clone().requires_grad_(spec.kind == "parameter" and full.requires_grad)
-    return DistributedModule(program, weights, plan, rank)
+    return DistributedModule(program, weights, plan, rank, model=model, shard_options=options)
+
+
+def _local_part(tensor, placement, rank):
+    return local_slice(tensor, placement, rank) if isinstance(placement, Shard) else tensor
+
+
+def _sharded(program, model, plan, options):
+    placements = plan.layout(program, model)
+    return run_pipeline(program, [("shard", {**options, "placements": placements}), "collectives"])
+
+
+def _group_of(program):
+    from ..collectives import resolve_group
+
+    return resolve_group(program.shard["group"])

@@ -21,6 +21,10 @@ def _free_port() -> int:
 def _worker(rank, world, port, backend, fn, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group(backend, rank=rank, world_size=world)
+    if backend == "gloo" and "OMP_NUM_THREADS" not in os.environ:
+        # N ranks share this machine's cores: more intra-op threads than cores per rank makes
+        # small ops spin against each other (a decode step went from 4 ms to 70 ms here).
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
