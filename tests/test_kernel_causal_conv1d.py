@@ -191,7 +191,6 @@ def test_conv_options(fresh_seed, option):
               "no_init": dict(init=False), "no_final": dict(final=False),
               "swish": dict(activation="swish")}[option]
     run_case(torch.float32, 4, lengths=[3, 1, 12, 2, 6], **kwargs)
-    run_case(torch.float32, 3, batch=2, l=13, **kwargs)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -200,11 +199,9 @@ def test_conv_half_precision(fresh_seed, dtype):
     run_case(dtype, 4, batch=2, l=19, layout="channels_last")
 
 
-@pytest.mark.parametrize("layout", ["channels_last_half", "tokens_contiguous"])
-def test_conv_non_contiguous_and_default_tiles(fresh_seed, layout):
-    # Default tiles (16 x 128 / 16 x 64 at float32) across an odd length, with a Mamba-1
-    # style strided half-projection read in place.
-    run_case(torch.float32, 4, batch=1, d=20, l=133, layout=layout)
+def test_conv_strided_half_projection(fresh_seed):
+    # Mamba-1 hands over one half of a (b, l, 2d) projection, transposed: read in place.
+    run_case(torch.float32, 4, batch=1, d=20, l=133, layout="channels_last_half")
 
 
 def test_packed_equals_each_sequence_alone(fresh_seed):
@@ -244,11 +241,14 @@ def test_conv_equals_reference_op(fresh_seed, dtype, layout):
     got = kconv.causal_conv1d(x, w, b, "silu")
     want_g = torch.autograd.grad(want, [x, w, b], gy)
     got_g = torch.autograd.grad(got, [x, w, b], gy)
-    # The op computes in the weight's dtype: at bfloat16 it rounds inside the conv too.
-    tol = 1e-6 if dtype == torch.float32 else 2.0**-6
-    assert got.dtype == want.dtype
+    # The op computes in the weight's dtype: at bfloat16 it rounds after the conv and after
+    # silu (2**-8 of the largest value each), the kernel once (2**-7 under the interpreter,
+    # which truncates): 2**-6 bounds the sum. Float32: summation order only.
+    tol = {torch.float32: (1e-6, 1e-5), torch.bfloat16: (2.0**-6, 2.0**-6)}[dtype]
+    assert got.dtype == want.dtype and got.shape == want.shape
     for name, g, r in zip(["out", "dx", "dweight", "dbias"], [got, *got_g], [want, *want_g]):
-        assert rel_err(g, r) <= (tol if name in ("out", "dx") else 10 * tol), name
+        err = rel_err(g, r)
+        assert err <= tol[name not in ("out", "dx")], f"{name}: {err:.3g}"
 
 
 # --- decode step -------------------------------------------------------------------------------

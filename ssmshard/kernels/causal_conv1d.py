@@ -20,18 +20,24 @@ Tiles. A program owns a (channels x tokens) tile, split as BLOCK_D channels x R 
 C tokens (C tokens per group, consecutive). A tap j < C that needs a token from the
 previous group reads it from a second load of the tile shifted back by one whole group.
 Both loads are aligned, so they vectorise; the shift by j inside a group is then done on
-registers by picking columns (``_column``): a sum over the group axis of a ``where``
-that keeps one column. With the group axis inside one thread (the layouts chosen on the
-host make sure of it), LLVM folds those selects and the adds of -0.0 away, so the shift
-costs nothing. This needs C >= k: one shifted load covers every tap, and the backward
+registers by picking columns: ``tl.sum(tl.where(cols == i, tile, -0.0), axis=COL_AXIS,
+keep_dims=True)`` is column i (-0.0 is the exact additive identity, so the pick is exact;
+0 for integer tiles). It is written out at each use rather than as a helper because the
+CPU interpreter pays heavily for every helper call. With the group axis inside one thread
+(the layouts chosen on the host make sure of it), LLVM folds those selects and the adds of
+-0.0 away, so the shift costs nothing. This needs C >= k: one shifted load covers every tap, and the backward
 uses the C columns of one accumulator as the k per-tap sums of dweight.
 
 Two arrangements of the same tile (``CHANNELS_LAST``):
-    tokens contiguous  (x is (b, d, l) contiguous):  tile (d, r, c); a thread holds C
-        consecutive tokens as one vector, lanes run along tokens.
+    tokens contiguous  (x is (b, d, l) contiguous):  tile (d, r, c) with d = 1; a thread
+        holds C consecutive tokens as one vector, lanes and warps run along groups.
     channels contiguous (x a transposed (b, l, d) view, as Mamba / Mamba-2 feed it):
-        tile (c, r, d); a thread holds a vector of channels for each of C tokens, lanes run
-        along channels then groups, so the C axis again sits in one thread's registers.
+        tile (c, r, d) with r = 1; a thread holds a vector of channels for each of C tokens,
+        all lanes and warps run along channels. (Lanes left over for the r and c axes would
+        go to either one depending on the Triton version's tie-break: 3.6 and 3.9 differ.)
+        Programs loop over consecutive tiles so the shifted re-read hits L1.
+The layouts were checked by compiling for sm_90 with Triton 3.6 and 3.9: no shuffles or
+shared memory in the token loops, k multiply-adds per element in the forward.
 """
 
 from __future__ import annotations
@@ -51,16 +57,6 @@ MAX_WIDTH = 8  # widest conv supported: the tile's group must hold k tokens
 _INT32_LIMIT = 2**31
 
 # --- device helpers -----------------------------------------------------------------------
-
-
-@triton.jit
-def _column(tile, index: tl.constexpr, cols, neutral: tl.constexpr, COL_AXIS: tl.constexpr):
-    """Column ``index`` of the group axis of ``tile``, keeping that axis with size 1.
-
-    ``neutral`` is the additive identity used for the other columns: -0.0 for floats (so
-    x + neutral == x exactly, even for x = +0.0, and LLVM may drop the add), 0 for ints.
-    """
-    return tl.sum(tl.where(cols == index, tile, neutral), axis=COL_AXIS, keep_dims=True)
 
 
 @triton.jit
@@ -112,6 +108,30 @@ def _tile_indices(pid_d, BLOCK_D: tl.constexpr, R: tl.constexpr, C: tl.constexpr
 
 
 @triton.jit
+def _load_taps(w_ptr, swd, swk, bias_ptr, pid_d, D, K: tl.constexpr, C: tl.constexpr,
+               BLOCK_D: tl.constexpr, CHANNELS_LAST: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The weights as a tile whose column i holds weight[:, i] (tap j is column k-1-j), and
+    the bias, both float32 and shaped to broadcast against the x tile.
+
+    Loaded once per program, before the token loop, as a plain 2-D (d, i) tile: that load's
+    layout does not depend on how the compiler breaks ties between 3-D axes, and the one
+    conversion to the x tile's layout stays outside the loop.
+    """
+    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    i = tl.arange(0, C)
+    taps = tl.load(w_ptr + d.to(tl.int64)[:, None] * swd + i[None, :] * swk,
+                   mask=(d[:, None] < D) & (i[None, :] < K), other=0.0).to(tl.float32)  # (d, i)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+    else:
+        bias = tl.zeros([BLOCK_D], tl.float32)
+    if CHANNELS_LAST:
+        return tl.trans(taps)[:, None, :], bias[None, None, :]  # (i, 1, d), (1, 1, d)
+    else:
+        return taps[:, None, :], bias[:, None, None]  # (d, 1, i), (d, 1, 1)
+
+
+@triton.jit
 def _silu_grad(y):
     sig = tl.sigmoid(y)
     return sig * (1.0 + y * (1.0 - sig))
@@ -119,14 +139,14 @@ def _silu_grad(y):
 
 @triton.jit
 def _conv_preactivation(
-    x_rows, sxl, L, w_rows, swk, bias_ptr, init_ptr, sis, sid, sik, cu_ptr, n_seqs,
+    x_rows, sxl, L, taps, bias, init_ptr, sis, sid, sik, cu_ptr, n_seqs,
     b, d3, d_mask, rows, cols, origin,
     K: tl.constexpr, C: tl.constexpr, BLOCK_L: tl.constexpr, COL_AXIS: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, PACKED: tl.constexpr,
+    HAS_INIT: tl.constexpr, PACKED: tl.constexpr,
 ):
     """bias + sum of taps at the tile's tokens origin + r*C + c, in float32, no activation.
 
-    x_rows / w_rows: per-channel row pointers of x (this batch row) and weight.
+    x_rows: per-channel row pointers of x (this batch row); taps, bias: from _load_taps.
     """
     tok = origin + rows * C + cols  # token of every tile position, broadcast over channels
     if PACKED:
@@ -134,23 +154,24 @@ def _conv_preactivation(
         last = tl.minimum(origin + BLOCK_L, L) - 1
         seq, s_first, s_last = _sequence_of_tokens(cu_ptr, n_seqs, tok, first, last)
         start = tl.load(cu_ptr + seq)
-    acc = tl.zeros(tok.shape, tl.float32) + tl.zeros(d3.shape, tl.float32)
+    acc = tl.zeros(tok.shape, tl.float32) + bias
     for q in tl.static_range(2):
         # q = 0: the tile itself; q = 1: shifted back one group, for taps reaching behind.
         src = tok - q * C
         xq = tl.load(x_rows + src * sxl, mask=d_mask & (src >= 0) & (src < L), other=0.0)
         xq = xq.to(tl.float32)
         for j in tl.static_range(K):
-            w = tl.load(w_rows + (K - 1 - j) * swk, mask=d_mask, other=0.0).to(tl.float32)
+            w = tl.sum(tl.where(cols == K - 1 - j, taps, -0.0), axis=COL_AXIS, keep_dims=True)
             for c in tl.static_range(C):
                 # Token t - j of column c lies in group ceil((j - c) / C) behind, column c - j + q*C.
                 if (C - 1 + j - c) // C == q:
-                    term = w * _column(xq, c - j + q * C, cols, -0.0, COL_AXIS)
+                    x_c = tl.sum(tl.where(cols == c - j + q * C, xq, -0.0), axis=COL_AXIS, keep_dims=True)
+                    term = w * x_c
                     if PACKED:
                         # Only taps inside the output token's own sequence; non-packed rows
                         # need no mask, the load above already zeroed tokens before 0.
                         tok_c = origin + rows * C + c
-                        start_c = _column(start, c, cols, 0, COL_AXIS)
+                        start_c = tl.sum(tl.where(cols == c, start, 0), axis=COL_AXIS, keep_dims=True)
                         term = tl.where(tok_c - j >= start_c, term, 0.0)
                     acc += tl.where(cols == c, term, -0.0)
     if HAS_INIT:
@@ -165,13 +186,11 @@ def _conv_preactivation(
             init_rows = init_ptr + b * sis + d3 * sid
         if near_start:
             for j in tl.static_range(1, K):
-                w = tl.load(w_rows + (K - 1 - j) * swk, mask=d_mask, other=0.0).to(tl.float32)
+                w = tl.sum(tl.where(cols == K - 1 - j, taps, -0.0), axis=COL_AXIS, keep_dims=True)
                 back = start - (tok - j)  # how far before the start tap j lands (> 0: in init)
                 m = d_mask & (back > 0) & (tok < L)
                 v = tl.load(init_rows + (K - 1 - back) * sik, mask=m, other=0.0)
                 acc += w * v.to(tl.float32)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + d3, mask=d_mask, other=0.0).to(tl.float32)
     return acc
 
 
@@ -181,11 +200,13 @@ def _conv_preactivation(
 @triton.jit
 def _conv_forward_kernel(
     x_ptr, sxb, sxd, sxl, w_ptr, swd, swk, bias_ptr, init_ptr, sis, sid, sik, cu_ptr, n_seqs,
-    out_ptr, sob, sod, sol, D, L,
+    out_ptr, sob, sod, sol, D, L, TILES,
     K: tl.constexpr, C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
     CHANNELS_LAST: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr,
     PACKED: tl.constexpr, SILU: tl.constexpr,
 ):
+    """out for TILES consecutive token tiles (the previous tile's tokens, which the shifted
+    load re-reads, are then still in L1)."""
     pid_l = tl.program_id(0)
     pid_d = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -193,17 +214,20 @@ def _conv_forward_kernel(
     COL_AXIS: tl.constexpr = 0 if CHANNELS_LAST else 2
     d_mask = d3 < D
     d64 = d3.to(tl.int64)
-    origin = pid_l * BLOCK_L
-    y = _conv_preactivation(
-        x_ptr + b * sxb + d64 * sxd, sxl, L, w_ptr + d64 * swd, swk, bias_ptr,
-        init_ptr, sis, sid, sik, cu_ptr, n_seqs, b, d3, d_mask, rows, cols, origin,
-        K, C, BLOCK_L, COL_AXIS, HAS_BIAS, HAS_INIT, PACKED,
-    )
-    if SILU:
-        y = y * tl.sigmoid(y)
-    tok = origin + rows * C + cols
-    out = out_ptr + b * sob + d64 * sod + tok * sol
-    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=d_mask & (tok < L))
+    x_rows = x_ptr + b * sxb + d64 * sxd
+    out_rows = out_ptr + b * sob + d64 * sod
+    taps, bias = _load_taps(w_ptr, swd, swk, bias_ptr, pid_d, D, K, C, BLOCK_D, CHANNELS_LAST, HAS_BIAS)
+    for it in range(TILES):
+        origin = (pid_l * TILES + it) * BLOCK_L
+        y = _conv_preactivation(
+            x_rows, sxl, L, taps, bias, init_ptr, sis, sid, sik, cu_ptr, n_seqs,
+            b, d3, d_mask, rows, cols, origin,
+            K, C, BLOCK_L, COL_AXIS, HAS_INIT, PACKED,
+        )
+        if SILU:
+            y = y * tl.sigmoid(y)
+        tok = origin + rows * C + cols
+        tl.store(out_rows + tok * sol, y.to(out_ptr.dtype.element_ty), mask=d_mask & (tok < L))
 
 
 @triton.jit
@@ -264,8 +288,8 @@ def _conv_backward_kernel(
     d_mask = d3 < D
     d64 = d3.to(tl.int64)
     x_rows = x_ptr + b * sxb + d64 * sxd
-    w_rows = w_ptr + d64 * swd
     gy_rows = gy_ptr + b * sgb + d64 * sgd
+    taps, bias = _load_taps(w_ptr, swd, swk, bias_ptr, pid_d, D, K, C, BLOCK_D, CHANNELS_LAST, HAS_BIAS)
     # Column j of dw_acc accumulates tap j's products; the sum over groups comes at the end.
     zero_tile = tl.zeros(rows.shape, tl.float32) + tl.zeros(cols.shape, tl.float32)
     zero_tile += tl.zeros(d3.shape, tl.float32)
@@ -285,28 +309,28 @@ def _conv_backward_kernel(
             # g at the tile's tokens (q = 0) and one group further on (q = 1).
             origin = l0 + q * C
             y = _conv_preactivation(
-                x_rows, sxl, L, w_rows, swk, bias_ptr, init_ptr, sis, sid, sik, cu_ptr, n_seqs,
+                x_rows, sxl, L, taps, bias, init_ptr, sis, sid, sik, cu_ptr, n_seqs,
                 b, d3, d_mask, rows, cols, origin,
-                K, C, BLOCK_L, COL_AXIS, HAS_BIAS, HAS_INIT, PACKED,
+                K, C, BLOCK_L, COL_AXIS, HAS_INIT, PACKED,
             )
             src = tok + q * C
             g = tl.load(gy_rows + src * sgl, mask=d_mask & (src < L), other=0.0).to(tl.float32)
             if SILU:
                 g = g * _silu_grad(y)
             for j in tl.static_range(K):
-                w = tl.load(w_rows + (K - 1 - j) * swk, mask=d_mask, other=0.0).to(tl.float32)
+                w = tl.sum(tl.where(cols == K - 1 - j, taps, -0.0), axis=COL_AXIS, keep_dims=True)
                 for c in tl.static_range(C):
                     if (c + j) // C == q:
                         # g[u + j] for the tokens u of column c, zero across a sequence end.
-                        g_c = _column(g, c + j - q * C, cols, -0.0, COL_AXIS)
+                        g_c = tl.sum(tl.where(cols == c + j - q * C, g, -0.0), axis=COL_AXIS, keep_dims=True)
                         tok_c = l0 + rows * C + c
                         if PACKED:
-                            end_c = _column(end, c, cols, 0, COL_AXIS)
+                            end_c = tl.sum(tl.where(cols == c, end, 0), axis=COL_AXIS, keep_dims=True)
                         else:
                             end_c = L
                         g_c = tl.where(tok_c + j < end_c, g_c, 0.0)
                         dx += tl.where(cols == c, w * g_c, -0.0)
-                        x_c = _column(x_own, c, cols, -0.0, COL_AXIS)
+                        x_c = tl.sum(tl.where(cols == c, x_own, -0.0), axis=COL_AXIS, keep_dims=True)
                         dw_acc += tl.where(cols == j, x_c * g_c, -0.0)
                         if j == 0:
                             dbias_acc += g_c
@@ -459,15 +483,27 @@ def _next_pow2(n: int) -> int:
 def default_tile_config(x: Tensor, width: int, backward: bool = False) -> TileConfig:
     """Tiles whose group axis sits in one thread's registers for x's memory layout."""
     vector = 16 // x.element_size()  # elements of one 16-byte access
+    channels_last = x.stride(1) == 1 and x.stride(2) != 1
+    if x.device.type != "cuda":
+        # Triton's CPU interpreter: layouts don't exist and every op costs the same whatever
+        # its size, so few large programs run fastest.
+        group = max(4, _next_pow2(width))
+        block_l = group * min(16, _next_pow2(triton.cdiv(x.shape[2], group)))
+        return TileConfig(min(32, _next_pow2(x.shape[1])), block_l, group, 1, channels_last)
+    if channels_last:
+        # Channels contiguous: tile (c, r, d) with one group (r = 1) and every lane of every
+        # warp along channels, so the group axis c is registers whatever order the compiler
+        # gives the other axes. Programs loop over token tiles (see tiles_per_program).
+        # Warp count: the one that leaves fewest channel lanes idle.
+        group = max(4, _next_pow2(width))
+        d, lanes_d = x.shape[1], 32 * vector
+        num_warps = min((4, 2, 1), key=lambda w: (-(-d // (lanes_d * w)) * lanes_d * w - d, -w))
+        return TileConfig(lanes_d * num_warps, group, group, num_warps, True)
+    # Tokens contiguous (or no unit stride at all): tile (d, r, c) with one channel (d = 1),
+    # a thread's group one 16-byte vector of tokens, lanes and warps along groups (again
+    # the only axis they can go to), two groups per thread.
     group = max(vector, _next_pow2(width))
-    if x.stride(1) == 1 and x.stride(2) != 1:
-        # Channels contiguous: tile (c, r, d). 8 lanes cover 8 vectors of channels (128 bytes
-        # of a token), the other lanes and the warps run along groups, and the group axis c
-        # stays in registers. The group shifted back is re-read from L2 once per 16 groups.
-        group = _next_pow2(width)
-        return TileConfig(8 * vector, 16 * group, group, 4, True)
-    # Tokens contiguous (or no unit stride at all): 32 lanes along tokens, warps along channels.
-    return TileConfig(8 if backward else 16, 32 * group, group, 4, False)
+    return TileConfig(1, 2 * 32 * 4 * group, group, 4, False)
 
 
 def _check_config(config: TileConfig, width: int) -> None:
@@ -560,10 +596,12 @@ def conv_forward(x, weight, bias, activation, cu_seqlens, initial_states, return
     out = torch.empty_like(x)  # x's layout, as the op's fake implementation promises
     init, sis, sid, sik = _init_args(initial_states, x)
     cu = cu_seqlens if cu_seqlens is not None else x
-    grid = (triton.cdiv(l, config.block_l), triton.cdiv(d, config.block_d), bsz)
+    # Channels-last tiles are one group long: loop so the shifted re-read hits L1.
+    tiles = tiles_per_program(config, bsz, d, l, target_programs=2048) if config.channels_last else 1
+    grid = (triton.cdiv(triton.cdiv(l, config.block_l), tiles), triton.cdiv(d, config.block_d), bsz)
     _conv_forward_kernel[grid](
         x, *x.stride(), weight, *weight.stride(), bias if bias is not None else x,
-        init, sis, sid, sik, cu, n_seqs, out, *out.stride(), d, l,
+        init, sis, sid, sik, cu, n_seqs, out, *out.stride(), d, l, tiles,
         K=k, C=config.group, BLOCK_D=config.block_d, BLOCK_L=config.block_l,
         CHANNELS_LAST=config.channels_last, HAS_BIAS=bias is not None,
         HAS_INIT=initial_states is not None, PACKED=cu_seqlens is not None,
@@ -581,11 +619,13 @@ def conv_forward(x, weight, bias, activation, cu_seqlens, initial_states, return
     return out, final
 
 
-def _tiles_per_program(config: TileConfig, bsz: int, d: int, l: int) -> int:
-    """Token tiles per backward program: few dweight partial rows, enough programs to fill the GPU."""
+def tiles_per_program(config: TileConfig, bsz: int, d: int, l: int, target_programs: int) -> int:
+    """Token tiles each program loops over: about ``target_programs`` programs in all, and
+    the tiles split evenly between the programs of a row."""
     tiles_l = triton.cdiv(l, config.block_l)
     programs_without_loop = tiles_l * bsz * triton.cdiv(d, config.block_d)
-    return max(1, min(tiles_l, programs_without_loop // 4096))
+    tiles = max(1, min(tiles_l, programs_without_loop // target_programs))
+    return triton.cdiv(tiles_l, triton.cdiv(tiles_l, tiles))
 
 
 def conv_backward(x, weight, bias, activation, cu_seqlens, initial_states, grad_out, grad_final,
@@ -596,12 +636,15 @@ def conv_backward(x, weight, bias, activation, cu_seqlens, initial_states, grad_
     k = weight.shape[1]
     config = config or default_tile_config(x, k, backward=True)
     _check_config(config, k)
-    tiles = _tiles_per_program(config, bsz, d, l)
+    # Backward programs keep dweight partial sums: looping over tiles keeps their rows few.
+    tiles = tiles_per_program(config, bsz, d, l, target_programs=4096)
     programs_l = triton.cdiv(triton.cdiv(l, config.block_l), tiles)
     main_parts = bsz * programs_l
     parts = main_parts + (n_seqs if initial_states is not None else 0)
     dw_part = torch.empty(parts, d, k, device=x.device, dtype=torch.float32)
-    dbias_part = torch.empty(main_parts, d, device=x.device, dtype=torch.float32) if bias is not None else dw_part
+    dbias_part = dw_part  # never written without a bias
+    if bias is not None:
+        dbias_part = torch.empty(main_parts, d, device=x.device, dtype=torch.float32)
     dx = torch.empty_like(x)
     init, sis, sid, sik = _init_args(initial_states, x)
     cu = cu_seqlens if cu_seqlens is not None else x
@@ -706,7 +749,9 @@ def causal_conv1d_update(
         raise ValueError(f"weight must be (channels={d}, width), got {tuple(weight.shape)}")
     k = weight.shape[1]
     if conv_state.dim() != 3 or conv_state.shape[:2] != (bsz, d):
-        raise ValueError(f"conv_state must be (batch={bsz}, channels={d}, length), got {tuple(conv_state.shape)}")
+        raise ValueError(
+            f"conv_state must be (batch={bsz}, channels={d}, length), got {tuple(conv_state.shape)}"
+        )
     s = conv_state.shape[2]
     if s < k - 1:
         raise ValueError(f"conv_state length {s} is shorter than conv width - 1 ({k - 1})")
@@ -718,7 +763,9 @@ def causal_conv1d_update(
         raise RuntimeError("causal_conv1d_update is inference-only: call it under torch.no_grad()")
     if out_state is None:
         out_state = torch.empty_like(conv_state)
-    elif (out_state.shape, out_state.dtype, out_state.device) != (conv_state.shape, conv_state.dtype, conv_state.device):
+    elif (out_state.shape, out_state.dtype, out_state.device) != (
+        conv_state.shape, conv_state.dtype, conv_state.device
+    ):
         raise ValueError("out_state must match conv_state's shape, dtype and device")
     out = torch.empty_like(x3)
     block_d = 128
