@@ -111,8 +111,11 @@ def cu_from_lengths(lengths):
 
 
 def run_case(dtype, k, lengths=None, batch=2, d=6, l=21, layout="tokens_contiguous", bias=True,
-             activation="silu", init=True, final=True, config=None):
-    """Kernel vs loop on outputs and every input gradient; returns the kernel's results."""
+             activation="silu", init=True, final=True, config=None, param_dtype=None):
+    """Kernel vs loop on outputs and every input gradient; returns the kernel's results.
+
+    param_dtype: dtype of weight, bias and initial states (default: x's)."""
+    param_dtype = param_dtype or dtype
     packed = lengths is not None
     if packed:
         batch, l = 1, sum(lengths)
@@ -121,9 +124,9 @@ def run_case(dtype, k, lengths=None, batch=2, d=6, l=21, layout="tokens_contiguo
     else:
         cu, n_seqs = None, batch
     x = make_x(batch, d, l, dtype, layout)
-    w = (torch.randn(d, k, device=DEVICE) / k**0.5).to(dtype)
-    b = torch.randn(d, device=DEVICE).to(dtype) if bias else None
-    h0 = torch.randn(n_seqs, d, k - 1, device=DEVICE).to(dtype) if init else None
+    w = (torch.randn(d, k, device=DEVICE) / k**0.5).to(param_dtype)
+    b = torch.randn(d, device=DEVICE).to(param_dtype) if bias else None
+    h0 = torch.randn(n_seqs, d, k - 1, device=DEVICE).to(param_dtype) if init else None
     leaves = [t for t in (x, w, b, h0) if t is not None]
     for t in leaves:
         t.requires_grad_(True)
@@ -155,7 +158,7 @@ def run_case(dtype, k, lengths=None, batch=2, d=6, l=21, layout="tokens_contiguo
     check(out, want_out, dtype, FP32_OUT_TOL, "out")
     if final:
         assert fin.dtype == dtype and fin.shape == (n_seqs, d, k - 1)
-        assert torch.equal(fin.double(), want_fin), "final states are copies of inputs"
+        assert torch.equal(fin, want_fin.to(dtype)), "final states are copies of inputs (in x's dtype)"
     names = ["dx", "dweight", "dbias", "dinit"]
     names = [n for n, t in zip(names, (x, w, b, h0)) if t is not None]
     for name, got, want, leaf in zip(names, got_grads, want_grads, leaves):
@@ -196,7 +199,7 @@ def test_conv_options(fresh_seed, option):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_conv_half_precision(fresh_seed, dtype):
     run_case(dtype, 4, lengths=[5, 1, 2, 17, 3])
-    run_case(dtype, 4, batch=2, l=19, layout="channels_last")
+    run_case(dtype, 4, batch=2, l=19, layout="channels_last", param_dtype=torch.float32)
 
 
 def test_conv_strided_half_projection(fresh_seed):
@@ -304,6 +307,7 @@ def test_refuses_bad_inputs():
         (lambda: kconv.causal_conv1d(x, w, activation="relu"), "activation"),
         (lambda: kconv.causal_conv1d(x, w, cu_seqlens=cu), "batch 1"),
         (lambda: kconv.causal_conv1d(x[:1], w, cu_seqlens=cu.long()), "int32"),
+        (lambda: kconv.causal_conv1d(x[:1], w, cu_seqlens=cu_from_lengths([3, 4]).cpu()), "rise from 0|device"),
         (lambda: kconv.causal_conv1d(x, w, initial_states=torch.randn(2, 4, 3, device=DEVICE)), "initial_states"),
         (lambda: kconv.causal_conv1d(x[:1], w, cu_seqlens=cu, initial_states=torch.randn(1, 4, 2, device=DEVICE)),
          "sequences=2"),

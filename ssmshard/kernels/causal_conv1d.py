@@ -564,6 +564,10 @@ def _validate(x, weight, bias, activation, cu_seqlens, initial_states) -> int:
             raise ValueError("cu_seqlens must live on x's device (a CPU copy would force a sync)")
         n_seqs = cu_seqlens.numel() - 1
         tensors["cu_seqlens"] = cu_seqlens
+        if cu_seqlens.device.type == "cpu":  # checking costs no device sync here
+            offsets = cu_seqlens.tolist()
+            if offsets[0] != 0 or offsets[-1] != x.shape[2] or any(a > b for a, b in zip(offsets, offsets[1:])):
+                raise ValueError(f"cu_seqlens must rise from 0 to the length {x.shape[2]}, got {offsets}")
     if initial_states is not None:
         if initial_states.shape != (n_seqs, d, k - 1):
             raise ValueError(
@@ -713,7 +717,7 @@ def causal_conv1d(
     x: (b, d, l), any strides (channels-contiguous views are read in place); weight (d, k);
     bias (d,); activation None / "silu" / "swish". Float32 math; output in x's dtype and
     memory layout. cu_seqlens: int32 (S + 1,) offsets of sequences packed in a batch-1 row,
-    on x's device (not checked for monotonicity: that would need a host sync).
+    on x's device, rising from 0 to l (checked only on CPU: on a GPU that needs a host sync).
     initial_states: (b or S, d, k - 1), the inputs before each sequence, oldest first.
     Returns out, or (out, final_states (b or S, d, k - 1) in x's dtype) with
     return_final_states.
