@@ -49,7 +49,7 @@ def ssd_state_grads_kernel(
     states_ptr, final_ptr, dfinal_ptr,
     dstates_ptr, dinit_ptr, dz_ptr, dy_ptr, dD_part_ptr, ds_part_ptr,
     seq_first_chunk_ptr, chunk_start_ptr, chunk_len_ptr,
-    n_tokens, n_slots, heads_per_group, headdim, dstate, chunk_size, tune_bucket,
+    n_tokens, n_slots, ds_slots, heads_per_group, headdim, dstate, chunk_size, tune_bucket,
     stride_x_t, stride_x_h, stride_x_p,
     stride_C_t, stride_C_g, stride_C_n,
     stride_z_t, stride_z_h, stride_z_p,
@@ -61,8 +61,9 @@ def ssd_state_grads_kernel(
     """One program per (sequence, head, block of n), walking the sequence's chunks backwards.
 
     dstates[k, h] = dS_out of chunk k; ds_part[nb, k, h] = this n block's share of
-    <dS_out, S_out>; dinit[s, h] = dS_in of the first chunk. The programs of n block 0
-    also write dz, dy (= dout * silu(z), x's dtype) and dD_part[s, h, p] = sum_t dy x.
+    <dS_out, S_out> (ds_slots >= the number of n blocks); dinit[s, h] = dS_in of the first
+    chunk. The programs of n block 0 also write dz, dy (= dout * silu(z), x's dtype) and
+    dD_part[s, h, p] = sum_t dy x.
     Buffers written here (dz, dy) and ypre are contiguous (t, h, p).
     """
     s = tl.program_id(0)
@@ -103,6 +104,10 @@ def ssd_state_grads_kernel(
                          mask=(offs_p < headdim - p_limit_final)[:, None] & mask_n[None, :], other=0.0)
         S_out = S_final + S_next.to(tl.float32)
         tl.store(ds_part_ptr + (nb * n_slots + k) * n_heads + h, tl.sum(tl.sum(dS * S_out, 1), 0))
+        # Zero the slots of n blocks this launch does not have, so the result does not depend
+        # on what an earlier launch with narrower blocks (an autotuning run) left there.
+        for unused_nb in range(tl.where(nb == 0, tl.num_programs(2), ds_slots), ds_slots):
+            tl.store(ds_part_ptr + (unused_nb * n_slots + k) * n_heads + h, 0.0)
         tl.store(dstates_ptr + slot * state_size + offs_pn, dS.to(dstates_ptr.dtype.element_ty), mask=mask_pn)
 
         tok0 = tl.load(chunk_start_ptr + k).to(tl.int64)
@@ -431,7 +436,8 @@ def ssd_backward(dout, dfinal, x, dt, A, B, C, D, z, ypre, init, table: ChunkTab
     dz = torch.empty(n_tok, h, p, device=dev, dtype=z.dtype) if z is not None else None
     dy = torch.empty(n_tok, h, p, device=dev, dtype=x.dtype) if z is not None else None
     dD_part = torch.empty(table.n_seqs, h, p, device=dev, dtype=f32) if D is not None else None
-    # One slot per possible n block (blocks are >= 16 wide); unused ones stay 0.
+    # One slot per possible n block (blocks are >= 16 wide); the kernel zeroes those it does
+    # not use, and slots of unused chunks keep these zeros.
     ds_part = torch.zeros(triton.cdiv(n, 16), table.n_slots, h, device=dev, dtype=f32)
     zs = z.stride() if z is not None else (0, 0, 0)
     state_grads(
@@ -440,7 +446,8 @@ def ssd_backward(dout, dfinal, x, dt, A, B, C, D, z, ypre, init, table: ChunkTab
         states_ptr=states, final_ptr=final, dfinal_ptr=dfinal,
         dstates_ptr=dstates, dinit_ptr=dinit, dz_ptr=dz, dy_ptr=dy, dD_part_ptr=dD_part, ds_part_ptr=ds_part,
         seq_first_chunk_ptr=seq_first_chunk,
-        n_slots=table.n_slots, heads_per_group=h // g, tune_bucket=(table.n_seqs * h).bit_length(),
+        n_slots=table.n_slots, ds_slots=ds_part.shape[0], heads_per_group=h // g,
+        tune_bucket=(table.n_seqs * h).bit_length(),
         stride_x_t=x.stride(0), stride_x_h=x.stride(1), stride_x_p=x.stride(2),
         stride_C_t=C.stride(0), stride_C_g=C.stride(1), stride_C_n=C.stride(2),
         stride_z_t=zs[0], stride_z_h=zs[1], stride_z_p=zs[2],
