@@ -10,13 +10,14 @@ Errors are max |kernel - reference| / max |reference| per tensor, on fresh rando
 Tolerances (worst seen over 24 seeds in brackets):
 - float32: the kernels compute in float32 (tl.dot with exact fp32 products, not tf32), so
   they sit at float32 rounding of sums over a few dozen terms: 1e-5 for outputs and
-  states [2.4e-7], 3e-5 for gradients [2.7e-6 for dA, a sum over every token].
+  states [6e-7], 3e-5 for gradients [3e-6].
 - bfloat16: the reference runs in float64 on the same bf16-rounded inputs. The kernels
   round tensor-core operands to bf16 (decayed C.B weights, x * dt, the carried states)
   and outputs and gradients to bf16, each a relative error up to 2^-8 (2^-7 under the
-  interpreter, which truncates instead of rounding); a few add up: 3e-2 [1.5e-2]. dA and
-  d dt_bias sum terms of both signs over every token, so their error relative to the
-  (partly cancelled) result is larger: 8e-2 [4.4e-2].
+  interpreter, which truncates instead of rounding); a few add up: 4e-2 [1.9e-2].
+- dA, dD and d dt_bias sum one term per token, of both signs: their error is measured
+  against the sum of the terms' magnitudes (from the reference's per-token gradients),
+  not against the partly cancelled sum, which can be near zero.
 """
 
 from __future__ import annotations
@@ -32,8 +33,7 @@ from ssmshard.kernels.ssd_scan import ssd_scan, ssd_scan_like_op
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP32_TOL, FP32_GRAD_TOL = 1e-5, 3e-5
-BF16_TOL, BF16_REDUCED_GRAD_TOL = 3e-2, 8e-2
-REDUCED_GRADS = ("dA", "ddt_bias")  # gradients summed over all tokens
+BF16_TOL = 4e-2
 INPUT_NAMES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
 
 
@@ -44,8 +44,8 @@ def sequential_ssd(x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=Fal
                    dt_limit=(0.0, math.inf), cu_seqlens=None, initial_states=None):
     """One Python step per token; the state restarts at every sequence start.
 
-    Sequences are the batch rows, or with cu_seqlens (b == 1) the packed spans. Returns
-    (out (b, l, h, p), final states (S or b, h, p, n)).
+    Sequences are the batch rows, or with cu_seqlens (b == 1) the packed spans. A is (h,)
+    or per token (b, l, h); D is (h,), (h, p) or per token (b, l, h, p). Returns (out (b, l, h, p), final states (S or b, h, p, n)).
     """
     bsz, l, h, p = x.shape
     g, n = B.shape[-2:]
@@ -65,10 +65,12 @@ def sequential_ssd(x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=Fal
         state = x.new_zeros(h, p, n) if initial_states is None else initial_states[seq]
         for t in range(lo, hi):
             dt_t = dt[row, t, :, None, None]  # (h, 1, 1)
-            state = torch.exp(dt_t * A[:, None, None]) * state + dt_t * x[row, t, :, :, None] * B[row, t, :, None, :]
+            A_t = A[row, t] if A.dim() == 3 else A
+            state = torch.exp(dt_t * A_t[:, None, None]) * state + dt_t * x[row, t, :, :, None] * B[row, t, :, None, :]
             y = (state * C[row, t, :, None, :]).sum(-1)  # (h, p)
             if D is not None:
-                y = y + (D if D.dim() == 2 else D[:, None]) * x[row, t]
+                D_t = D[row, t] if D.dim() == 4 else D if D.dim() == 2 else D[:, None]
+                y = y + D_t * x[row, t]
             ys[row][t] = y
         finals.append(state)
     out = torch.stack([torch.stack(row) for row in ys])
@@ -105,11 +107,16 @@ def rel_err(got, want):
     return ((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
 
-def check_against_sequential(inputs, chunk_size, options, tol, grad_tol, cu_seqlens=None, final=True,
-                             reduced_grad_tol=None):
+def check_against_sequential(inputs, chunk_size, options, tol, grad_tol, cu_seqlens=None, final=True):
     """Forward and every input gradient of ssd_scan vs sequential_ssd in float64."""
     leaves = {k: v.detach().clone().requires_grad_(True) for k, v in inputs.items() if v is not None}
     leaves64 = {k: v.detach().double().requires_grad_(True) for k, v in leaves.items()}
+    # A and D per token, so the reference also gives the per-token terms of dA and dD.
+    bsz, l, h, p = inputs["x"].shape
+    leaves64["A"] = leaves64["A"].detach().expand(bsz, l, h).clone().requires_grad_(True)
+    if "D" in leaves64:
+        D_rows = leaves64["D"].detach().reshape(h, -1).expand(h, p)  # (h,) or (h, p) -> (h, p)
+        leaves64["D"] = D_rows.expand(bsz, l, h, p).clone().requires_grad_(True)
     cu_cpu = None if cu_seqlens is None else cu_seqlens.cpu()
     want_out, want_final = sequential_ssd(**leaves64, **options, cu_seqlens=cu_cpu)
     got = ssd_scan(chunk_size=chunk_size, **leaves, **options, cu_seqlens=cu_seqlens,
@@ -128,18 +135,27 @@ def check_against_sequential(inputs, chunk_size, options, tol, grad_tol, cu_seql
         loss64 = loss64 + (want_final * grad_final).sum()
         loss = loss + (got_final.double() * grad_final).sum()
     names = list(leaves)
-    want_grads = torch.autograd.grad(loss64, [leaves64[k] for k in names])
-    got_grads = torch.autograd.grad(loss, [leaves[k] for k in names])
-    grad_errors = {}
-    for name, got_g, want_g in zip(names, got_grads, want_grads):
+    want_grads = dict(zip(names, torch.autograd.grad(loss64, [leaves64[k] for k in names])))
+    got_grads = dict(zip(names, torch.autograd.grad(loss, [leaves[k] for k in names])))
+    # Sums over tokens: measured against the sum of their terms' magnitudes.
+    term_scale = {"A": want_grads["A"].abs().sum((0, 1)).max()}
+    want_grads["A"] = want_grads["A"].sum((0, 1))
+    if "D" in names:
+        summed = (0, 1) if inputs["D"].dim() == 2 else (0, 1, 3)
+        term_scale["D"] = want_grads["D"].abs().sum(summed).max()
+        want_grads["D"] = want_grads["D"].sum(summed)
+    if "dt_bias" in names:  # dt_bias enters exactly like dt: its terms are d dt
+        term_scale["dt_bias"] = want_grads["dt"].abs().sum((0, 1)).max()
+    for name in names:
+        got_g, want_g = got_grads[name], want_grads[name]
         assert got_g.dtype == leaves[name].dtype and got_g.shape == want_g.shape, name
-        grad_errors["d" + name] = rel_err(got_g, want_g)
-    bad = {k: v for k, v in errors.items() if not v <= tol}
-    reduced_grad_tol = grad_tol if reduced_grad_tol is None else reduced_grad_tol
-    bad.update({k: v for k, v in grad_errors.items()
-                if not v <= (reduced_grad_tol if k in REDUCED_GRADS else grad_tol)})
-    assert not bad, f"errors above tolerance: {bad} (all: {errors | grad_errors})"
-    return errors | grad_errors
+        if name in term_scale:
+            errors["d" + name] = ((got_g.double() - want_g).abs().max() / term_scale[name]).item()
+        else:
+            errors["d" + name] = rel_err(got_g, want_g)
+    bad = {k: v for k, v in errors.items() if not v <= (tol if k in ("out", "final") else grad_tol)}
+    assert not bad, f"errors above tolerance: {bad} (all: {errors})"
+    return errors
 
 
 def packed_lengths(chunk_size: int) -> list[int]:
@@ -181,7 +197,7 @@ def test_batch_matches_sequential(case, fresh_seed):
 def test_packed_matches_sequential(fresh_seed):
     chunk = 8
     lengths = packed_lengths(chunk)
-    inputs = make_inputs(1, sum(lengths), 4, 8, 2, 16, D="h", init=len(lengths))
+    inputs = make_inputs(1, sum(lengths), 2, 8, 1, 16, D="h", init=len(lengths))
     check_against_sequential(inputs, chunk, dict(dt_softplus=True, dt_limit=(0.0, 5.0)),
                              FP32_TOL, FP32_GRAD_TOL, cu_seqlens=cu_from(lengths))
 
@@ -221,9 +237,8 @@ def test_packed_equals_each_sequence_alone(fresh_seed):
 def test_bf16_packed_matches_sequential(fresh_seed):
     chunk = 16
     lengths = packed_lengths(chunk)[:4]
-    inputs = make_inputs(1, sum(lengths), 4, 8, 1, 16, D="hp", init=len(lengths), dtype=torch.bfloat16)
-    check_against_sequential(inputs, chunk, dict(dt_softplus=True), BF16_TOL, BF16_TOL, cu_seqlens=cu_from(lengths),
-                             reduced_grad_tol=BF16_REDUCED_GRAD_TOL)
+    inputs = make_inputs(1, sum(lengths), 2, 8, 2, 16, D="hp", init=len(lengths), dtype=torch.bfloat16)
+    check_against_sequential(inputs, chunk, dict(dt_softplus=True), BF16_TOL, BF16_TOL, cu_seqlens=cu_from(lengths))
 
 
 def test_final_state_gradient_alone(fresh_seed):
@@ -245,7 +260,7 @@ def test_final_state_gradient_alone(fresh_seed):
 
 def test_matches_reference_op(fresh_seed):
     """The swap target: same function as torch.ops.ssmshard.ssd_scan, float32 out, and same grads."""
-    inputs = make_inputs(2, 19, 2, 4, 2, 8, D="h", z=False, init=2)
+    inputs = make_inputs(2, 13, 2, 4, 2, 8, D="h", z=False, init=2)
     args = [inputs[k] for k in ("x", "dt", "A", "B", "C")]
     tail = (inputs["D"], inputs["dt_bias"], inputs["initial_states"], True, 0.01, 2.0)
     leaves_op = [t.clone().requires_grad_(True) for t in args + list(tail[:3])]
@@ -283,3 +298,23 @@ def test_rejects_unsupported_inputs():
         ssd_scan(**{k: v for k, v in wide.items() if v is not None}, chunk_size=4)
     with pytest.raises(ValueError, match="initial_states"):
         ssd_scan(**args, chunk_size=4, initial_states=torch.zeros(3, 4, 4, 8, device=DEVICE))
+
+
+def test_every_kernel_config(fresh_seed, monkeypatch):
+    """The GPU autotuner may pick any config: each must compute the same function.
+
+    Run i forces config i (modulo the count) of every tuned kernel. The shape keeps the
+    configs' blocks distinct after clamping: blocks of 32 and 64 rows in 64-token chunks,
+    head-dim blocks of 32 and 64.
+    """
+    from ssmshard.kernels import ssd_scan_bwd, ssd_scan_fwd
+    from ssmshard.kernels.ssd_triton_common import FORCE_CONFIG_ENV
+
+    tuned = [ssd_scan_fwd.chunk_states, ssd_scan_fwd.chunk_output, ssd_scan_bwd.state_grads,
+             ssd_scan_bwd.dx_dB, ssd_scan_bwd.dC]
+    lengths = [64, 1, 45]
+    for index in range(max(len(k.configs) for k in tuned)):
+        monkeypatch.setenv(FORCE_CONFIG_ENV, str(index))
+        inputs = make_inputs(1, sum(lengths), 1, 64, 1, 64, D="h", init=len(lengths))
+        check_against_sequential(inputs, 64, dict(dt_softplus=True), FP32_TOL, FP32_GRAD_TOL,
+                                 cu_seqlens=cu_from(lengths))

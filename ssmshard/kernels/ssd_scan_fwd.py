@@ -5,7 +5,7 @@ Three kernels, on the flattened token axis and the chunk table of ssd_triton_com
 0. ``ssd_dt_cumsum_kernel``, one program per (chunk, head): discretised dt and the
    cumulative log-decay cs since the chunk start, stored per (head, token) in float32 so
    every later kernel (forward and backward) reads the same values.
-1. ``ssd_chunk_states_kernel``, one program per (sequence, head, block of n): walks the
+1. ``ssd_chunk_states_kernel``, one program per (sequence, head, block of (p, n)): walks the
    sequence's chunks in order, stores the state entering each chunk and carries it
    through the chunk (decay, plus the chunk's inputs as a tensor-core product
    (x * w)^T B). Fusing the chunk states with the passing between chunks means the
@@ -81,10 +81,12 @@ def ssd_chunk_states_kernel(
     """
     s = tl.program_id(0)
     h = tl.program_id(1)
-    nb = tl.program_id(2)
+    n_blocks_n = tl.cdiv(dstate, BLOCK_N)
+    pb = tl.program_id(2) // n_blocks_n
+    nb = tl.program_id(2) % n_blocks_n
     n_heads = tl.num_programs(1)
     g = h // heads_per_group
-    offs_p = tl.arange(0, BLOCK_P)
+    offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_t = tl.arange(0, BLOCK_T)
     mask_p = offs_p < headdim
@@ -218,6 +220,7 @@ def _tune_bucket(n: int) -> int:
 
 
 def _clamp_states(kw, args):
+    kw["BLOCK_P"] = min(kw["BLOCK_P"], next_pow2(args["headdim"]))
     kw["BLOCK_T"] = min(kw["BLOCK_T"], next_pow2(args["chunk_size"]))
     kw["BLOCK_N"] = min(kw["BLOCK_N"], next_pow2(args["dstate"]))
     return kw
@@ -233,10 +236,13 @@ _C = triton.Config
 chunk_states = TunableKernel(
     ssd_chunk_states_kernel,
     [
-        _C({"BLOCK_T": 64, "BLOCK_N": 64}, num_warps=4, num_stages=2),
-        _C({"BLOCK_T": 128, "BLOCK_N": 64}, num_warps=4, num_stages=2),
-        _C({"BLOCK_T": 64, "BLOCK_N": 128}, num_warps=8, num_stages=2),
-        _C({"BLOCK_T": 64, "BLOCK_N": 32}, num_warps=4, num_stages=3),
+        # BLOCK_P = 128 means the whole head dim for every supported head dim.
+        _C({"BLOCK_P": 128, "BLOCK_T": 64, "BLOCK_N": 64}, num_warps=4, num_stages=2),
+        _C({"BLOCK_P": 128, "BLOCK_T": 128, "BLOCK_N": 64}, num_warps=4, num_stages=2),
+        _C({"BLOCK_P": 128, "BLOCK_T": 64, "BLOCK_N": 128}, num_warps=8, num_stages=2),
+        _C({"BLOCK_P": 128, "BLOCK_T": 64, "BLOCK_N": 32}, num_warps=4, num_stages=3),
+        # Few sequences x heads (one long sequence): more, smaller programs.
+        _C({"BLOCK_P": 32, "BLOCK_T": 128, "BLOCK_N": 32}, num_warps=4, num_stages=3),
     ],
     key=["headdim", "dstate", "chunk_size", "tune_bucket"],
     clamp=_clamp_states,
@@ -287,14 +293,14 @@ def run_chunk_states(x, dtd, cs, B, init, table: ChunkTable):
     final = torch.empty(table.n_seqs, h, p, n, device=x.device, dtype=torch.float32)
     chunk_start, chunk_len, seq_first_chunk = table.tensors()
     chunk_states(
-        lambda meta: (table.n_seqs, h, triton.cdiv(n, meta["BLOCK_N"])),
+        lambda meta: (table.n_seqs, h, triton.cdiv(p, meta["BLOCK_P"]) * triton.cdiv(n, meta["BLOCK_N"])),
         x_ptr=x, dtd_ptr=dtd, cs_ptr=cs, B_ptr=B, init_ptr=init, states_ptr=states, final_ptr=final,
         seq_first_chunk_ptr=seq_first_chunk, chunk_start_ptr=chunk_start, chunk_len_ptr=chunk_len,
         n_tokens=n_tok, heads_per_group=h // g, headdim=p, dstate=n, chunk_size=table.chunk_size,
         tune_bucket=_tune_bucket(table.n_seqs * h),
         stride_x_t=x.stride(0), stride_x_h=x.stride(1), stride_x_p=x.stride(2),
         stride_B_t=B.stride(0), stride_B_g=B.stride(1), stride_B_n=B.stride(2),
-        HAS_INIT=init is not None, BLOCK_P=next_pow2(p), **dot_modes(x.dtype),
+        HAS_INIT=init is not None, **dot_modes(x.dtype),
     )
     return states, final
 

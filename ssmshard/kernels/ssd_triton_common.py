@@ -26,6 +26,8 @@ import triton.language as tl
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 AUTOTUNE_ENV = "SSMSHARD_SSD_AUTOTUNE"
+# Run config i (modulo each kernel's config count) instead of tuning: for tests and debugging.
+FORCE_CONFIG_ENV = "SSMSHARD_SSD_CONFIG"
 
 
 def autotune_enabled() -> bool:
@@ -85,10 +87,12 @@ class TunableKernel:
         return kept
 
     def __call__(self, grid, **kwargs):
-        if self.tuned is not None and autotune_enabled():
+        forced = os.environ.get(FORCE_CONFIG_ENV)
+        if forced is None and self.tuned is not None and autotune_enabled():
             self.tuned[grid](**kwargs)
             return
-        config = self._clamped(self.configs[0], kwargs)
+        index = 0 if forced is None else int(forced) % len(self.configs)
+        config = self._clamped(self.configs[index], kwargs)
         meta = {**kwargs, **config.kwargs}
         self.fn[grid(meta)](
             **kwargs, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages
