@@ -36,16 +36,19 @@ from ssmshard.kernels.ssd_scan_fwd import run_chunk_states, run_dt_cumsum
 from ssmshard.kernels.ssd_triton_common import (
     ChunkTable,
     TunableKernel,
-    discretise_dt,
+    chunk_block,
     dot_modes,
+    load_chunk_dt,
+    load_tile,
     mma,
     next_pow2,
+    state_coords,
 )
 
 
 @triton.jit
 def ssd_state_grads_kernel(
-    x_ptr, dtd_ptr, cs_ptr, C_ptr, z_ptr, ypre_ptr, dout_ptr,
+    x_ptr, cs_ptr, C_ptr, z_ptr, ypre_ptr, dout_ptr,
     states_ptr, final_ptr, dfinal_ptr,
     dstates_ptr, dinit_ptr, dz_ptr, dy_ptr, dD_part_ptr, ds_part_ptr,
     seq_first_chunk_ptr, chunk_start_ptr, chunk_len_ptr,
@@ -63,8 +66,7 @@ def ssd_state_grads_kernel(
     dstates[k, h] = dS_out of chunk k; ds_part[nb, k, h] = this n block's share of
     <dS_out, S_out> (ds_slots >= the number of n blocks); dinit[s, h] = dS_in of the first
     chunk. The programs of n block 0 also write dz, dy (= dout * silu(z), x's dtype) and
-    dD_part[s, h, p] = sum_t dy x.
-    Buffers written here (dz, dy) and ypre are contiguous (t, h, p).
+    dD_part[s, h, p] = sum_t dy x. Buffers written here (dz, dy) and ypre are contiguous (t, h, p).
     """
     s = tl.program_id(0)
     h = tl.program_id(1)
@@ -73,7 +75,6 @@ def ssd_state_grads_kernel(
     g = h // heads_per_group
     offs_p = tl.arange(0, BLOCK_P)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_t = tl.arange(0, BLOCK_T)
     mask_p = offs_p < headdim
     mask_n = offs_n < dstate
     mask_pn = mask_p[:, None] & mask_n[None, :]
@@ -81,6 +82,8 @@ def ssd_state_grads_kernel(
     state_size = headdim * dstate
     head_row = tl.cast(h, tl.int64) * n_tokens
     C_group = C_ptr + g * stride_C_g
+    # Only n block 0 writes the per-token gradients: p limit headdim there, 0 elsewhere.
+    mask_p_token_grads = offs_p < tl.where(nb == 0, headdim, 0)
 
     head_seq = tl.cast(s, tl.int64) * n_heads + h
     if HAS_DFINAL:
@@ -88,8 +91,6 @@ def ssd_state_grads_kernel(
     else:
         dS = tl.zeros((BLOCK_P, BLOCK_N), tl.float32)
     dD_acc = tl.zeros((BLOCK_P,), tl.float32)
-    # Only n block 0 writes the per-token gradients: p limit headdim there, 0 elsewhere.
-    p_limit_token_grads = tl.where(nb == 0, headdim, 0)
 
     first = tl.load(seq_first_chunk_ptr + s)
     last = tl.load(seq_first_chunk_ptr + s + 1)
@@ -114,18 +115,17 @@ def ssd_state_grads_kernel(
         length = tl.load(chunk_len_ptr + k)
         dS = dS * tl.exp(tl.load(cs_ptr + head_row + tok0 + length - 1))
         for t0 in range(0, length, BLOCK_T):
-            offs = t0 + offs_t
+            offs = t0 + tl.arange(0, BLOCK_T)
             mask_t = offs < length
             rows = tok0 + offs
             cs = tl.load(cs_ptr + head_row + rows, mask=mask_t, other=0.0)
-            mask_tp = mask_t[:, None] & mask_p[None, :]
-            dy = tl.load(dout_ptr + rows[:, None] * stride_dout_t + h * stride_dout_h + offs_p[None, :] * stride_dout_p,
-                         mask=mask_tp, other=0.0).to(tl.float32)
-            mask_token_grads = mask_t[:, None] & (offs_p < p_limit_token_grads)[None, :]
+            dy = load_tile(dout_ptr + h * stride_dout_h, rows, mask_t, stride_dout_t, offs_p, mask_p,
+                           stride_dout_p).to(tl.float32)
+            mask_token_grads = mask_t[:, None] & mask_p_token_grads[None, :]
             buf_offs = (rows[:, None] * n_heads + h) * headdim + offs_p[None, :]
             if HAS_Z:
-                z = tl.load(z_ptr + rows[:, None] * stride_z_t + h * stride_z_h + offs_p[None, :] * stride_z_p,
-                            mask=mask_tp, other=0.0).to(tl.float32)
+                z = load_tile(z_ptr + h * stride_z_h, rows, mask_t, stride_z_t, offs_p, mask_p,
+                              stride_z_p).to(tl.float32)
                 sig = tl.sigmoid(z)
                 ypre = tl.load(ypre_ptr + buf_offs, mask=mask_token_grads, other=0.0).to(tl.float32)
                 dz = dy * ypre * sig * (1.0 + z * (1.0 - sig))
@@ -133,17 +133,16 @@ def ssd_state_grads_kernel(
                 dy = dy * z * sig
                 tl.store(dy_ptr + buf_offs, dy.to(dy_ptr.dtype.element_ty), mask=mask_token_grads)
             if HAS_D:
-                xt = tl.load(x_ptr + rows[:, None] * stride_x_t + h * stride_x_h + offs_p[None, :] * stride_x_p,
-                             mask=mask_token_grads, other=0.0).to(tl.float32)
+                xt = load_tile(x_ptr + h * stride_x_h, rows, mask_t, stride_x_t, offs_p, mask_p_token_grads,
+                               stride_x_p).to(tl.float32)
                 dD_acc += tl.sum(dy * xt, 0)
-            Ct = tl.load(C_group + rows[:, None] * stride_C_t + offs_n[None, :] * stride_C_n,
-                         mask=mask_t[:, None] & mask_n[None, :], other=0.0)
+            Ct = load_tile(C_group, rows, mask_t, stride_C_t, offs_n, mask_n, stride_C_n)
             dyw = (dy * tl.where(mask_t, tl.exp(cs), 0.0)[:, None]).to(Ct.dtype)
             dS = mma(tl.trans(dyw), Ct, dS, DOT_PRECISION, UPCAST)
     if HAS_INIT:
         tl.store(dinit_ptr + head_seq * state_size + offs_pn, dS, mask=mask_pn)
     if HAS_D:
-        tl.store(dD_part_ptr + head_seq * headdim + offs_p, dD_acc, mask=offs_p < p_limit_token_grads)
+        tl.store(dD_part_ptr + head_seq * headdim + offs_p, dD_acc, mask=mask_p_token_grads)
 
 
 @triton.jit
@@ -151,7 +150,7 @@ def ssd_dx_dB_kernel(
     x_ptr, dtd_ptr, cs_ptr, B_ptr, C_ptr, D_ptr, dy_ptr, dstates_ptr,
     dx_ptr, ddt_direct_ptr, dB_part_ptr,
     chunk_start_ptr, chunk_len_ptr,
-    n_tokens, n_heads, heads_per_group, heads_per_split, headdim, dstate, chunk_size, tune_bucket,
+    n_tokens, n_slots, n_heads, heads_per_group, heads_per_split, headdim, dstate, chunk_size, tune_bucket,
     stride_x_t, stride_x_h, stride_x_p,
     stride_B_t, stride_B_g, stride_B_n,
     stride_C_t, stride_C_g, stride_C_n,
@@ -160,49 +159,36 @@ def ssd_dx_dB_kernel(
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Columns j in [jb * BLOCK, (jb + 1) * BLOCK) of chunk k, group g, head split sp.
+    """A block of BLOCK columns j of chunk k, group g (axis 1), head split sp (axis 2).
 
     dx (contiguous (t, h, p)), ddt_direct[h, t] = x_t . G_t, and dB_part[sp, t, g, :].
     """
-    n_col_blocks = tl.cdiv(chunk_size, BLOCK)
-    k = tl.program_id(0) // n_col_blocks
-    jb = tl.program_id(0) % n_col_blocks
+    # Column block 0 has the longest run of rows after it: launch it first.
+    k, tok0, length, j0, offs_j, mask_j = chunk_block(chunk_start_ptr, chunk_len_ptr, n_slots, chunk_size,
+                                                      BLOCK, False)
     g = tl.program_id(1)
     sp = tl.program_id(2)
-    tok0 = tl.load(chunk_start_ptr + k).to(tl.int64)
-    length = tl.load(chunk_len_ptr + k)
-    j0 = jb * BLOCK
-    offs_j = j0 + tl.arange(0, BLOCK)
-    mask_j = offs_j < length
-    offs_p = tl.arange(0, BLOCK_P)
-    mask_p = offs_p < headdim
-    offs_n = tl.arange(0, BLOCK_N)
-    mask_n = offs_n < dstate
-    # Unused table slots (length 0) have no state: skip the load rather than read garbage.
-    mask_state = (offs_p < tl.where(length > 0, headdim, 0))[:, None] & mask_n[None, :]
+    offs_p, mask_p, offs_n, mask_n, mask_p_state = state_coords(headdim, dstate, length, BLOCK_P, BLOCK_N)
+    rows_j = tok0 + offs_j
     mask_jp = mask_j[:, None] & mask_p[None, :]
-    state_size = headdim * dstate
 
-    B_j = tl.load(B_ptr + g * stride_B_g + (tok0 + offs_j)[:, None] * stride_B_t + offs_n[None, :] * stride_B_n,
-                  mask=mask_j[:, None] & mask_n[None, :], other=0.0)
+    B_j = load_tile(B_ptr + g * stride_B_g, rows_j, mask_j, stride_B_t, offs_n, mask_n, stride_B_n)
     dB_acc = tl.zeros((BLOCK, BLOCK_N), tl.float32)
     i_end = tl.where(j0 < length, length, 0)
     e_lo = sp * heads_per_split
-    e_hi = tl.minimum(e_lo + heads_per_split, heads_per_group)
-    for e in range(e_lo, e_hi):
+    for e in range(e_lo, tl.minimum(e_lo + heads_per_split, heads_per_group)):
         h = g * heads_per_group + e
         head_row = tl.cast(h, tl.int64) * n_tokens
         x_head = x_ptr + h * stride_x_h
         dy_head = dy_ptr + h * stride_dy_h
         # An unused slot has length 0: read position 0 instead of -1 (nothing is stored for it).
         cs_last = tl.load(cs_ptr + head_row + tok0 + tl.maximum(length - 1, 0))
-        cs_j = tl.load(cs_ptr + head_row + tok0 + offs_j, mask=mask_j, other=0.0)
-        dt_j = tl.load(dtd_ptr + head_row + tok0 + offs_j, mask=mask_j, other=0.0)
-        x_j = tl.load(x_head + (tok0 + offs_j)[:, None] * stride_x_t + offs_p[None, :] * stride_x_p,
-                      mask=mask_jp, other=0.0)
+        cs_j = tl.load(cs_ptr + head_row + rows_j, mask=mask_j, other=0.0)
+        dt_j = tl.load(dtd_ptr + head_row + rows_j, mask=mask_j, other=0.0)
+        x_j = load_tile(x_head, rows_j, mask_j, stride_x_t, offs_p, mask_p, stride_x_p)
         slot = tl.cast(k, tl.int64) * n_heads + h
-        dS_out = tl.load(dstates_ptr + slot * state_size + offs_p[:, None] * dstate + offs_n[None, :],
-                         mask=mask_state, other=0.0)  # (p, n)
+        dS_out = load_tile(dstates_ptr + slot * headdim * dstate, offs_p, mask_p_state, dstate,
+                           offs_n, mask_n, 1)  # (p, n)
         # Paths through the state leaving the chunk.
         to_end = tl.where(mask_j, tl.exp(cs_last - cs_j), 0.0)
         G = mma(B_j, tl.trans(dS_out), tl.zeros((BLOCK, BLOCK_P), tl.float32), DOT_PRECISION, UPCAST)
@@ -213,11 +199,10 @@ def ssd_dx_dB_kernel(
         for i0 in range(j0, i_end, BLOCK):
             offs_i = i0 + tl.arange(0, BLOCK)
             mask_i = offs_i < length
-            cs_i = tl.load(cs_ptr + head_row + tok0 + offs_i, mask=mask_i, other=0.0)
-            C_i = tl.load(C_ptr + g * stride_C_g + (tok0 + offs_i)[:, None] * stride_C_t + offs_n[None, :] * stride_C_n,
-                          mask=mask_i[:, None] & mask_n[None, :], other=0.0)
-            dy_i = tl.load(dy_head + (tok0 + offs_i)[:, None] * stride_dy_t + offs_p[None, :] * stride_dy_p,
-                           mask=mask_i[:, None] & mask_p[None, :], other=0.0).to(x_j.dtype)
+            rows_i = tok0 + offs_i
+            cs_i = tl.load(cs_ptr + head_row + rows_i, mask=mask_i, other=0.0)
+            C_i = load_tile(C_ptr + g * stride_C_g, rows_i, mask_i, stride_C_t, offs_n, mask_n, stride_C_n)
+            dy_i = load_tile(dy_head, rows_i, mask_i, stride_dy_t, offs_p, mask_p, stride_dy_p).to(x_j.dtype)
             causal = (offs_i[None, :] >= offs_j[:, None]) & mask_i[None, :]  # (j, i)
             decay = tl.exp(tl.where(causal, cs_i[None, :] - cs_j[:, None], -float("inf")))
             cb_t = mma(B_j, tl.trans(C_i), tl.zeros((BLOCK, BLOCK), tl.float32), DOT_PRECISION, UPCAST)
@@ -226,17 +211,15 @@ def ssd_dx_dB_kernel(
             dB_acc = mma((dyx_t * decay * dt_j[:, None]).to(C_i.dtype), C_i, dB_acc, DOT_PRECISION, UPCAST)
         dx = G * dt_j[:, None]
         if HAS_D:
-            dy_j = tl.load(dy_head + (tok0 + offs_j)[:, None] * stride_dy_t + offs_p[None, :] * stride_dy_p,
-                           mask=mask_jp, other=0.0).to(tl.float32)
+            dy_j = load_tile(dy_head, rows_j, mask_j, stride_dy_t, offs_p, mask_p, stride_dy_p).to(tl.float32)
             if D_PER_P:
                 dx += dy_j * tl.load(D_ptr + h * headdim + offs_p, mask=mask_p, other=0.0).to(tl.float32)[None, :]
             else:
                 dx += dy_j * tl.load(D_ptr + h).to(tl.float32)
-        rows = tok0 + offs_j
-        tl.store(dx_ptr + (rows[:, None] * n_heads + h) * headdim + offs_p[None, :],
+        tl.store(dx_ptr + (rows_j[:, None] * n_heads + h) * headdim + offs_p[None, :],
                  dx.to(dx_ptr.dtype.element_ty), mask=mask_jp)
-        tl.store(ddt_direct_ptr + head_row + rows, tl.sum(G * x_j.to(tl.float32), 1), mask=mask_j)
-    dB_rows = (tl.cast(sp, tl.int64) * n_tokens + tok0 + offs_j) * (tl.num_programs(1) * dstate) + g * dstate
+        tl.store(ddt_direct_ptr + head_row + rows_j, tl.sum(G * x_j.to(tl.float32), 1), mask=mask_j)
+    dB_rows = (tl.cast(sp, tl.int64) * n_tokens + rows_j) * (tl.num_programs(1) * dstate) + g * dstate
     tl.store(dB_part_ptr + dB_rows[:, None] + offs_n[None, :], dB_acc, mask=mask_j[:, None] & mask_n[None, :])
 
 
@@ -245,7 +228,7 @@ def ssd_dC_kernel(
     x_ptr, dtd_ptr, cs_ptr, B_ptr, C_ptr, dy_ptr, states_ptr,
     dcs_row_ptr, dC_part_ptr,
     chunk_start_ptr, chunk_len_ptr,
-    n_tokens, n_heads, heads_per_group, heads_per_split, headdim, dstate, chunk_size, tune_bucket,
+    n_tokens, n_slots, n_heads, heads_per_group, heads_per_split, headdim, dstate, chunk_size, tune_bucket,
     stride_x_t, stride_x_h, stride_x_p,
     stride_B_t, stride_B_g, stride_B_n,
     stride_C_t, stride_C_g, stride_C_n,
@@ -253,64 +236,49 @@ def ssd_dC_kernel(
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Rows i in [ib * BLOCK, (ib + 1) * BLOCK) of chunk k, group g, head split sp.
+    """A block of BLOCK rows i of chunk k, group g (axis 1), head split sp (axis 2).
 
     dC_part[sp, t, g, :] and dcs_row[h, t] = C_t . dC_t^(h).
     """
-    n_row_blocks = tl.cdiv(chunk_size, BLOCK)
-    k = tl.program_id(0) // n_row_blocks
-    # The last row blocks do the most work: launch them first.
-    ib = n_row_blocks - 1 - tl.program_id(0) % n_row_blocks
+    k, tok0, length, i0, offs_i, mask_i = chunk_block(chunk_start_ptr, chunk_len_ptr, n_slots, chunk_size,
+                                                      BLOCK, True)
     g = tl.program_id(1)
     sp = tl.program_id(2)
-    tok0 = tl.load(chunk_start_ptr + k).to(tl.int64)
-    length = tl.load(chunk_len_ptr + k)
-    i0 = ib * BLOCK
-    offs_i = i0 + tl.arange(0, BLOCK)
-    mask_i = offs_i < length
-    offs_p = tl.arange(0, BLOCK_P)
-    mask_p = offs_p < headdim
-    offs_n = tl.arange(0, BLOCK_N)
-    mask_n = offs_n < dstate
-    # Unused table slots (length 0) have no state: skip the load rather than read garbage.
-    mask_state = (offs_p < tl.where(length > 0, headdim, 0))[:, None] & mask_n[None, :]
-    state_size = headdim * dstate
+    offs_p, mask_p, offs_n, mask_n, mask_p_state = state_coords(headdim, dstate, length, BLOCK_P, BLOCK_N)
+    rows_i = tok0 + offs_i
 
-    C_i = tl.load(C_ptr + g * stride_C_g + (tok0 + offs_i)[:, None] * stride_C_t + offs_n[None, :] * stride_C_n,
-                  mask=mask_i[:, None] & mask_n[None, :], other=0.0)
+    C_i = load_tile(C_ptr + g * stride_C_g, rows_i, mask_i, stride_C_t, offs_n, mask_n, stride_C_n)
     C_i32 = C_i.to(tl.float32)
     dC_acc = tl.zeros((BLOCK, BLOCK_N), tl.float32)
     j_end = tl.where(i0 < length, tl.minimum(i0 + BLOCK, length), 0)
     e_lo = sp * heads_per_split
-    e_hi = tl.minimum(e_lo + heads_per_split, heads_per_group)
-    for e in range(e_lo, e_hi):
+    for e in range(e_lo, tl.minimum(e_lo + heads_per_split, heads_per_group)):
         h = g * heads_per_group + e
         head_row = tl.cast(h, tl.int64) * n_tokens
         x_head = x_ptr + h * stride_x_h
-        cs_i = tl.load(cs_ptr + head_row + tok0 + offs_i, mask=mask_i, other=0.0)
-        dy_i = tl.load(dy_ptr + h * stride_dy_h + (tok0 + offs_i)[:, None] * stride_dy_t + offs_p[None, :] * stride_dy_p,
-                       mask=mask_i[:, None] & mask_p[None, :], other=0.0).to(C_i.dtype)
+        cs_i = tl.load(cs_ptr + head_row + rows_i, mask=mask_i, other=0.0)
+        dy_i = load_tile(dy_ptr + h * stride_dy_h, rows_i, mask_i, stride_dy_t, offs_p, mask_p,
+                         stride_dy_p).to(C_i.dtype)
         slot = tl.cast(k, tl.int64) * n_heads + h
-        state_in = tl.load(states_ptr + slot * state_size + offs_p[:, None] * dstate + offs_n[None, :],
-                           mask=mask_state, other=0.0)  # (p, n)
+        state_in = load_tile(states_ptr + slot * headdim * dstate, offs_p, mask_p_state, dstate,
+                             offs_n, mask_n, 1)  # (p, n)
         dC_h = mma(dy_i, state_in, tl.zeros((BLOCK, BLOCK_N), tl.float32), DOT_PRECISION, UPCAST)
         dC_h = dC_h * tl.exp(cs_i)[:, None]
         for j0 in range(0, j_end, BLOCK):
             offs_j = j0 + tl.arange(0, BLOCK)
             mask_j = offs_j < length
-            cs_j = tl.load(cs_ptr + head_row + tok0 + offs_j, mask=mask_j, other=0.0)
-            dt_j = tl.load(dtd_ptr + head_row + tok0 + offs_j, mask=mask_j, other=0.0)
-            x_j = tl.load(x_head + (tok0 + offs_j)[:, None] * stride_x_t + offs_p[None, :] * stride_x_p,
-                          mask=mask_j[:, None] & mask_p[None, :], other=0.0)
-            B_j = tl.load(B_ptr + g * stride_B_g + (tok0 + offs_j)[:, None] * stride_B_t + offs_n[None, :] * stride_B_n,
-                          mask=mask_j[:, None] & mask_n[None, :], other=0.0)
+            rows_j = tok0 + offs_j
+            cs_j = tl.load(cs_ptr + head_row + rows_j, mask=mask_j, other=0.0)
+            dt_j = tl.load(dtd_ptr + head_row + rows_j, mask=mask_j, other=0.0)
+            x_j = load_tile(x_head, rows_j, mask_j, stride_x_t, offs_p, mask_p, stride_x_p)
+            B_j = load_tile(B_ptr + g * stride_B_g, rows_j, mask_j, stride_B_t, offs_n, mask_n, stride_B_n)
             dyx = mma(dy_i, tl.trans(x_j.to(C_i.dtype)), tl.zeros((BLOCK, BLOCK), tl.float32), DOT_PRECISION, UPCAST)
             causal = (offs_i[:, None] >= offs_j[None, :]) & mask_j[None, :]
             decay = tl.exp(tl.where(causal, cs_i[:, None] - cs_j[None, :], -float("inf")))
             dC_h = mma((dyx * decay * dt_j[None, :]).to(B_j.dtype), B_j, dC_h, DOT_PRECISION, UPCAST)
-        tl.store(dcs_row_ptr + head_row + tok0 + offs_i, tl.sum(dC_h * C_i32, 1), mask=mask_i)
+        tl.store(dcs_row_ptr + head_row + rows_i, tl.sum(dC_h * C_i32, 1), mask=mask_i)
         dC_acc += dC_h
-    dC_rows = (tl.cast(sp, tl.int64) * n_tokens + tok0 + offs_i) * (tl.num_programs(1) * dstate) + g * dstate
+    dC_rows = (tl.cast(sp, tl.int64) * n_tokens + rows_i) * (tl.num_programs(1) * dstate) + g * dstate
     tl.store(dC_part_ptr + dC_rows[:, None] + offs_n[None, :], dC_acc, mask=mask_i[:, None] & mask_n[None, :])
 
 
@@ -328,21 +296,15 @@ def ssd_dt_grads_kernel(
     n_heads = tl.num_programs(1)
     tok0 = tl.load(chunk_start_ptr + k).to(tl.int64)
     length = tl.load(chunk_len_ptr + k)
-    offs = tl.arange(0, CHUNK_PAD)
-    mask = offs < length
-    raw = tl.load(dt_ptr + h * stride_dt_h + (tok0 + offs) * stride_dt_t, mask=mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        raw += tl.load(dt_bias_ptr + h).to(tl.float32)
-    dt, slope = discretise_dt(raw, dt_min, dt_max, SOFTPLUS)
-    dt = tl.where(mask, dt, 0.0)
-
-    head_row = tl.cast(h, tl.int64) * n_tokens
-    ddt_direct = tl.load(ddt_direct_ptr + head_row + tok0 + offs, mask=mask, other=0.0)
-    dcs = tl.load(dcs_row_ptr + head_row + tok0 + offs, mask=mask, other=0.0) - dt * ddt_direct
+    offs, mask, dt, slope = load_chunk_dt(dt_ptr, dt_bias_ptr, h, tok0, length, stride_dt_t, stride_dt_h,
+                                          dt_min, dt_max, HAS_BIAS, SOFTPLUS, CHUNK_PAD)
+    rows = tl.cast(h, tl.int64) * n_tokens + tok0 + offs
+    ddt_direct = tl.load(ddt_direct_ptr + rows, mask=mask, other=0.0)
+    dcs = tl.load(dcs_row_ptr + rows, mask=mask, other=0.0) - dt * ddt_direct
     dcs += tl.where(offs == length - 1, tl.load(ds_ptr + tl.cast(k, tl.int64) * n_heads + h), 0.0)
     dcs = tl.where(mask, dcs, 0.0)
     da = tl.sum(dcs, 0) - tl.cumsum(dcs, 0) + dcs  # sum over positions >= t
-    ddt = tl.where(mask, (ddt_direct + tl.load(A_ptr + h).to(tl.float32) * da) * slope, 0.0)
+    ddt = (ddt_direct + tl.load(A_ptr + h).to(tl.float32) * da) * slope
     tl.store(ddt_ptr + (tok0 + offs) * n_heads + h, ddt.to(ddt_ptr.dtype.element_ty), mask=mask)
     tl.store(dA_part_ptr + tl.cast(k, tl.int64) * n_heads + h, tl.sum(dt * da, 0))
     tl.store(dbias_part_ptr + tl.cast(k, tl.int64) * n_heads + h, tl.sum(ddt, 0))
@@ -428,8 +390,8 @@ def ssd_backward(dout, dfinal, x, dt, A, B, C, D, z, ypre, init, table: ChunkTab
     states, final = run_chunk_states(x, dtd, cs, B, init, table)
     chunk_start, chunk_len, seq_first_chunk = table.tensors()
     modes = dot_modes(x.dtype)
-    common = dict(n_tokens=n_tok, headdim=p, dstate=n, chunk_size=table.chunk_size, dtd_ptr=dtd, cs_ptr=cs,
-                  chunk_start_ptr=chunk_start, chunk_len_ptr=chunk_len, **modes)
+    common = dict(n_tokens=n_tok, n_slots=table.n_slots, headdim=p, dstate=n, chunk_size=table.chunk_size,
+                  cs_ptr=cs, chunk_start_ptr=chunk_start, chunk_len_ptr=chunk_len, **modes)
 
     dstates = torch.empty_like(states)
     dinit = torch.empty(table.n_seqs, h, p, n, device=dev, dtype=f32) if init is not None else None
@@ -445,8 +407,7 @@ def ssd_backward(dout, dfinal, x, dt, A, B, C, D, z, ypre, init, table: ChunkTab
         x_ptr=x, C_ptr=C, z_ptr=z, ypre_ptr=ypre, dout_ptr=dout,
         states_ptr=states, final_ptr=final, dfinal_ptr=dfinal,
         dstates_ptr=dstates, dinit_ptr=dinit, dz_ptr=dz, dy_ptr=dy, dD_part_ptr=dD_part, ds_part_ptr=ds_part,
-        seq_first_chunk_ptr=seq_first_chunk,
-        n_slots=table.n_slots, ds_slots=ds_part.shape[0], heads_per_group=h // g,
+        seq_first_chunk_ptr=seq_first_chunk, ds_slots=ds_part.shape[0], heads_per_group=h // g,
         tune_bucket=(table.n_seqs * h).bit_length(),
         stride_x_t=x.stride(0), stride_x_h=x.stride(1), stride_x_p=x.stride(2),
         stride_C_t=C.stride(0), stride_C_g=C.stride(1), stride_C_n=C.stride(2),
@@ -460,7 +421,7 @@ def ssd_backward(dout, dfinal, x, dt, A, B, C, D, z, ypre, init, table: ChunkTab
     heads_per_split = _head_splits(table, g, h // g)
     n_splits = triton.cdiv(h // g, heads_per_split)
     split_args = dict(
-        n_heads=h, heads_per_group=h // g, heads_per_split=heads_per_split,
+        n_heads=h, heads_per_group=h // g, heads_per_split=heads_per_split, dtd_ptr=dtd,
         tune_bucket=(table.n_slots * g * n_splits).bit_length(),
         x_ptr=x, B_ptr=B, C_ptr=C, dy_ptr=dy_src,
         stride_x_t=x.stride(0), stride_x_h=x.stride(1), stride_x_p=x.stride(2),
@@ -471,7 +432,7 @@ def ssd_backward(dout, dfinal, x, dt, A, B, C, D, z, ypre, init, table: ChunkTab
     )
 
     def split_grid(meta):
-        return (table.n_slots * triton.cdiv(table.chunk_size, meta["BLOCK"]), g, n_splits)
+        return (triton.cdiv(table.chunk_size, meta["BLOCK"]) * table.n_slots, g, n_splits)
 
     dx = torch.empty(n_tok, h, p, device=dev, dtype=x.dtype)
     ddt_direct = torch.empty(h, n_tok, device=dev, dtype=f32)

@@ -33,10 +33,13 @@ import triton.language as tl
 from ssmshard.kernels.ssd_triton_common import (
     ChunkTable,
     TunableKernel,
-    discretise_dt,
+    chunk_block,
     dot_modes,
+    load_chunk_dt,
+    load_tile,
     mma,
     next_pow2,
+    state_coords,
 )
 
 
@@ -50,14 +53,8 @@ def ssd_dt_cumsum_kernel(
     k = tl.program_id(0)
     h = tl.program_id(1)
     tok0 = tl.load(chunk_start_ptr + k).to(tl.int64)
-    length = tl.load(chunk_len_ptr + k)
-    offs = tl.arange(0, CHUNK_PAD)
-    mask = offs < length
-    raw = tl.load(dt_ptr + h * stride_dt_h + (tok0 + offs) * stride_dt_t, mask=mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        raw += tl.load(dt_bias_ptr + h).to(tl.float32)
-    dt, _ = discretise_dt(raw, dt_min, dt_max, SOFTPLUS)
-    dt = tl.where(mask, dt, 0.0)
+    offs, mask, dt, _ = load_chunk_dt(dt_ptr, dt_bias_ptr, h, tok0, tl.load(chunk_len_ptr + k),
+                                      stride_dt_t, stride_dt_h, dt_min, dt_max, HAS_BIAS, SOFTPLUS, CHUNK_PAD)
     cs = tl.cumsum(dt * tl.load(A_ptr + h).to(tl.float32), 0)
     row = tl.cast(h, tl.int64) * n_tokens + tok0 + offs
     tl.store(dtd_ptr + row, dt, mask=mask)
@@ -88,7 +85,6 @@ def ssd_chunk_states_kernel(
     g = h // heads_per_group
     offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_t = tl.arange(0, BLOCK_T)
     mask_p = offs_p < headdim
     mask_n = offs_n < dstate
     mask_pn = mask_p[:, None] & mask_n[None, :]
@@ -102,8 +98,8 @@ def ssd_chunk_states_kernel(
         state = tl.zeros((BLOCK_P, BLOCK_N), tl.float32)
 
     x_head = x_ptr + h * stride_x_h
-    head_row = tl.cast(h, tl.int64) * n_tokens
     B_group = B_ptr + g * stride_B_g
+    head_row = tl.cast(h, tl.int64) * n_tokens
     first = tl.load(seq_first_chunk_ptr + s)
     last = tl.load(seq_first_chunk_ptr + s + 1)
     for k in range(first, last):
@@ -114,16 +110,14 @@ def ssd_chunk_states_kernel(
         cs_last = tl.load(cs_ptr + head_row + tok0 + length - 1)  # chunks of a sequence are never empty
         state = state * tl.exp(cs_last)
         for t0 in range(0, length, BLOCK_T):
-            offs = t0 + offs_t
+            offs = t0 + tl.arange(0, BLOCK_T)
             mask_t = offs < length
             rows = tok0 + offs
             cs = tl.load(cs_ptr + head_row + rows, mask=mask_t, other=0.0)
             dt = tl.load(dtd_ptr + head_row + rows, mask=mask_t, other=0.0)
             weight = tl.where(mask_t, tl.exp(cs_last - cs) * dt, 0.0)  # decay to the chunk end, times dt_j
-            x = tl.load(x_head + rows[:, None] * stride_x_t + offs_p[None, :] * stride_x_p,
-                        mask=mask_t[:, None] & mask_p[None, :], other=0.0)
-            Bt = tl.load(B_group + rows[:, None] * stride_B_t + offs_n[None, :] * stride_B_n,
-                         mask=mask_t[:, None] & mask_n[None, :], other=0.0)
+            x = load_tile(x_head, rows, mask_t, stride_x_t, offs_p, mask_p, stride_x_p)
+            Bt = load_tile(B_group, rows, mask_t, stride_B_t, offs_n, mask_n, stride_B_n)
             xw = (x.to(tl.float32) * weight[:, None]).to(Bt.dtype)  # (t, p)
             state = mma(tl.trans(xw), Bt, state, DOT_PRECISION, UPCAST)
     tl.store(final_ptr + head_seq * state_size + offs_pn, state, mask=mask_pn)
@@ -133,7 +127,7 @@ def ssd_chunk_states_kernel(
 def ssd_chunk_output_kernel(
     x_ptr, dtd_ptr, cs_ptr, B_ptr, C_ptr, D_ptr, z_ptr, states_ptr, out_ptr, ypre_ptr,
     chunk_start_ptr, chunk_len_ptr,
-    n_tokens, heads_per_group, headdim, dstate, chunk_size, tune_bucket,
+    n_tokens, n_slots, heads_per_group, headdim, dstate, chunk_size, tune_bucket,
     stride_x_t, stride_x_h, stride_x_p,
     stride_B_t, stride_B_g, stride_B_n,
     stride_C_t, stride_C_g, stride_C_n,
@@ -143,35 +137,23 @@ def ssd_chunk_output_kernel(
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """out rows [m * BLOCK_M, (m + 1) * BLOCK_M) of chunk k, head h; ypre = out before the gate."""
-    k = tl.program_id(0)
+    """out for a block of BLOCK_M rows i of chunk k, head h; ypre = out before the gate."""
+    k, tok0, length, row0, offs_i, mask_i = chunk_block(chunk_start_ptr, chunk_len_ptr, n_slots, chunk_size,
+                                                        BLOCK_M, True)
     h = tl.program_id(1)
-    # The last row blocks do the most work (longest causal prefix): launch them first.
-    m = tl.num_programs(2) - 1 - tl.program_id(2)
     n_heads = tl.num_programs(1)
     g = h // heads_per_group
-    tok0 = tl.load(chunk_start_ptr + k).to(tl.int64)
-    length = tl.load(chunk_len_ptr + k)
     head_row = tl.cast(h, tl.int64) * n_tokens
     x_head = x_ptr + h * stride_x_h
     B_group = B_ptr + g * stride_B_g
+    offs_p, mask_p, offs_n, mask_n, mask_p_state = state_coords(headdim, dstate, length, BLOCK_P, BLOCK_N)
+    rows_i = tok0 + offs_i
 
-    row0 = m * BLOCK_M
-    offs_i = row0 + tl.arange(0, BLOCK_M)
-    mask_i = offs_i < length
-    offs_p = tl.arange(0, BLOCK_P)
-    mask_p = offs_p < headdim
-    offs_n = tl.arange(0, BLOCK_N)
-    mask_n = offs_n < dstate
-    # Unused table slots (length 0) have no state: skip the load rather than read garbage.
-    mask_state = (offs_p < tl.where(length > 0, headdim, 0))[:, None] & mask_n[None, :]
-
-    cs_i = tl.load(cs_ptr + head_row + tok0 + offs_i, mask=mask_i, other=0.0)
-    C_i = tl.load(C_ptr + g * stride_C_g + (tok0 + offs_i)[:, None] * stride_C_t + offs_n[None, :] * stride_C_n,
-                  mask=mask_i[:, None] & mask_n[None, :], other=0.0)
+    cs_i = tl.load(cs_ptr + head_row + rows_i, mask=mask_i, other=0.0)
+    C_i = load_tile(C_ptr + g * stride_C_g, rows_i, mask_i, stride_C_t, offs_n, mask_n, stride_C_n)
     slot = tl.cast(k, tl.int64) * n_heads + h
-    state_in = tl.load(states_ptr + slot * headdim * dstate + offs_p[:, None] * dstate + offs_n[None, :],
-                       mask=mask_state, other=0.0)  # (p, n)
+    state_in = load_tile(states_ptr + slot * headdim * dstate, offs_p, mask_p_state, dstate,
+                         offs_n, mask_n, 1)  # (p, n)
     # Carried-in state, read out through C and decayed to row i.
     acc = mma(C_i, tl.trans(state_in), tl.zeros((BLOCK_M, BLOCK_P), tl.float32), DOT_PRECISION, UPCAST)
     acc = acc * tl.exp(cs_i)[:, None]
@@ -181,32 +163,28 @@ def ssd_chunk_output_kernel(
     for j0 in range(0, j_end, BLOCK_K):
         offs_j = j0 + tl.arange(0, BLOCK_K)
         mask_j = offs_j < length
-        cs_j = tl.load(cs_ptr + head_row + tok0 + offs_j, mask=mask_j, other=0.0)
-        dt_j = tl.load(dtd_ptr + head_row + tok0 + offs_j, mask=mask_j, other=0.0)
-        B_j = tl.load(B_group + (tok0 + offs_j)[:, None] * stride_B_t + offs_n[None, :] * stride_B_n,
-                      mask=mask_j[:, None] & mask_n[None, :], other=0.0)
-        x_j = tl.load(x_head + (tok0 + offs_j)[:, None] * stride_x_t + offs_p[None, :] * stride_x_p,
-                      mask=mask_j[:, None] & mask_p[None, :], other=0.0)
+        rows_j = tok0 + offs_j
+        cs_j = tl.load(cs_ptr + head_row + rows_j, mask=mask_j, other=0.0)
+        dt_j = tl.load(dtd_ptr + head_row + rows_j, mask=mask_j, other=0.0)
+        B_j = load_tile(B_group, rows_j, mask_j, stride_B_t, offs_n, mask_n, stride_B_n)
+        x_j = load_tile(x_head, rows_j, mask_j, stride_x_t, offs_p, mask_p, stride_x_p)
         cb = mma(C_i, tl.trans(B_j), tl.zeros((BLOCK_M, BLOCK_K), tl.float32), DOT_PRECISION, UPCAST)
         causal = (offs_i[:, None] >= offs_j[None, :]) & mask_j[None, :]
         decay = tl.exp(tl.where(causal, cs_i[:, None] - cs_j[None, :], -float("inf")))
         acc = mma((cb * decay * dt_j[None, :]).to(x_j.dtype), x_j, acc, DOT_PRECISION, UPCAST)
 
-    mask_ip = mask_i[:, None] & mask_p[None, :]
     if HAS_D:
-        x_i = tl.load(x_head + (tok0 + offs_i)[:, None] * stride_x_t + offs_p[None, :] * stride_x_p,
-                      mask=mask_ip, other=0.0).to(tl.float32)
+        x_i = load_tile(x_head, rows_i, mask_i, stride_x_t, offs_p, mask_p, stride_x_p).to(tl.float32)
         if D_PER_P:
-            D_h = tl.load(D_ptr + h * headdim + offs_p, mask=mask_p, other=0.0).to(tl.float32)
-            acc += x_i * D_h[None, :]
+            acc += x_i * tl.load(D_ptr + h * headdim + offs_p, mask=mask_p, other=0.0).to(tl.float32)[None, :]
         else:
             acc += x_i * tl.load(D_ptr + h).to(tl.float32)
-    out_offs = (tok0 + offs_i)[:, None] * stride_out_t + h * stride_out_h + offs_p[None, :] * stride_out_p
+    mask_ip = mask_i[:, None] & mask_p[None, :]
+    out_offs = rows_i[:, None] * stride_out_t + h * stride_out_h + offs_p[None, :] * stride_out_p
     if STORE_YPRE:
         tl.store(ypre_ptr + out_offs, acc.to(ypre_ptr.dtype.element_ty), mask=mask_ip)
     if HAS_Z:
-        z = tl.load(z_ptr + (tok0 + offs_i)[:, None] * stride_z_t + h * stride_z_h + offs_p[None, :] * stride_z_p,
-                    mask=mask_ip, other=0.0).to(tl.float32)
+        z = load_tile(z_ptr + h * stride_z_h, rows_i, mask_i, stride_z_t, offs_p, mask_p, stride_z_p).to(tl.float32)
         acc = acc * z * tl.sigmoid(z)
     tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask_ip)
 
@@ -314,10 +292,10 @@ def run_chunk_output(x, dtd, cs, B, C, D, z, states, table: ChunkTable, out_dtyp
     chunk_start, chunk_len, _ = table.tensors()
     zs = z.stride() if z is not None else (0, 0, 0)
     chunk_output(
-        lambda meta: (table.n_slots, h, triton.cdiv(table.chunk_size, meta["BLOCK_M"])),
+        lambda meta: (table.n_slots * triton.cdiv(table.chunk_size, meta["BLOCK_M"]), h),
         x_ptr=x, dtd_ptr=dtd, cs_ptr=cs, B_ptr=B, C_ptr=C, D_ptr=D, z_ptr=z, states_ptr=states,
         out_ptr=out, ypre_ptr=ypre, chunk_start_ptr=chunk_start, chunk_len_ptr=chunk_len,
-        n_tokens=n_tok, heads_per_group=h // g, headdim=p, dstate=n, chunk_size=table.chunk_size,
+        n_tokens=n_tok, n_slots=table.n_slots, heads_per_group=h // g, headdim=p, dstate=n, chunk_size=table.chunk_size,
         tune_bucket=_tune_bucket(table.n_slots * h),
         stride_x_t=x.stride(0), stride_x_h=x.stride(1), stride_x_p=x.stride(2),
         stride_B_t=B.stride(0), stride_B_g=B.stride(1), stride_B_n=B.stride(2),

@@ -137,6 +137,63 @@ def discretise_dt(raw, dt_min, dt_max, SOFTPLUS: tl.constexpr):
     return tl.minimum(tl.maximum(value, dt_min), dt_max), tl.where(inside, slope, 0.0)
 
 
+@triton.jit
+def load_chunk_dt(dt_ptr, dt_bias_ptr, h, tok0, length, stride_dt_t, stride_dt_h, dt_min, dt_max,
+                  HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, CHUNK_PAD: tl.constexpr):
+    """Discretised dt of one chunk and head, its slope d dt / d dt_raw, positions and mask.
+
+    Both are 0 at padded positions (>= length), so those neither decay nor feed the state.
+    """
+    offs = tl.arange(0, CHUNK_PAD)
+    mask = offs < length
+    raw = tl.load(dt_ptr + h * stride_dt_h + (tok0 + offs) * stride_dt_t, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        raw += tl.load(dt_bias_ptr + h).to(tl.float32)
+    dt, slope = discretise_dt(raw, dt_min, dt_max, SOFTPLUS)
+    return offs, mask, tl.where(mask, dt, 0.0), tl.where(mask, slope, 0.0)
+
+
+@triton.jit
+def load_tile(ptr, rows, row_mask, stride_row, cols, col_mask, stride_col):
+    """The (rows, cols) tile ptr[rows, cols]; 0 outside the masks."""
+    return tl.load(ptr + rows[:, None] * stride_row + cols[None, :] * stride_col,
+                   mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+
+
+@triton.jit
+def chunk_block(chunk_start_ptr, chunk_len_ptr, n_slots, chunk_size,
+                BLOCK: tl.constexpr, LAST_BLOCKS_FIRST: tl.constexpr):
+    """A block of BLOCK positions of one chunk, from program axis 0 = block * n_slots + chunk.
+
+    Returns (k, tok0, length, start, offs, mask): chunk slot, its first token, its length,
+    the block's first position, its positions inside the chunk and which of them exist. Blocks are the slow axis,
+    so one block index of every chunk is launched before the next: with
+    LAST_BLOCKS_FIRST the blocks with the longest causal prefix (the most work) go first.
+    """
+    n_blocks = tl.cdiv(chunk_size, BLOCK)
+    k = tl.program_id(0) % n_slots
+    blk = tl.program_id(0) // n_slots
+    if LAST_BLOCKS_FIRST:
+        blk = n_blocks - 1 - blk
+    tok0 = tl.load(chunk_start_ptr + k).to(tl.int64)
+    length = tl.load(chunk_len_ptr + k)
+    start = blk * BLOCK
+    offs = start + tl.arange(0, BLOCK)
+    return k, tok0, length, start, offs, offs < length
+
+
+@triton.jit
+def state_coords(headdim, dstate, length, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Offsets and masks over a whole (p, n) state: (offs_p, mask_p, offs_n, mask_n, mask_p_state).
+
+    mask_p_state is mask_p, but empty for an unused chunk slot (length 0) whose state was
+    never written: such loads are skipped rather than reading garbage.
+    """
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    return offs_p, offs_p < headdim, offs_n, offs_n < dstate, offs_p < tl.where(length > 0, headdim, 0)
+
+
 # --- chunk table ------------------------------------------------------------------------
 
 
