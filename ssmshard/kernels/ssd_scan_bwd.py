@@ -38,6 +38,7 @@ from ssmshard.kernels.ssd_triton_common import (
     TunableKernel,
     chunk_block,
     dot_modes,
+    load_block_decay,
     load_chunk_dt,
     load_tile,
     mma,
@@ -115,10 +116,8 @@ def ssd_state_grads_kernel(
         length = tl.load(chunk_len_ptr + k)
         dS = dS * tl.exp(tl.load(cs_ptr + head_row + tok0 + length - 1))
         for t0 in range(0, length, BLOCK_T):
-            offs = t0 + tl.arange(0, BLOCK_T)
-            mask_t = offs < length
-            rows = tok0 + offs
-            cs = tl.load(cs_ptr + head_row + rows, mask=mask_t, other=0.0)
+            # (dt is not needed here: cs stands in for its buffer)
+            _, mask_t, rows, cs, _ = load_block_decay(cs_ptr, cs_ptr, head_row, tok0, t0, length, BLOCK_T)
             dy = load_tile(dout_ptr + h * stride_dout_h, rows, mask_t, stride_dout_t, offs_p, mask_p,
                            stride_dout_p).to(tl.float32)
             mask_token_grads = mask_t[:, None] & mask_p_token_grads[None, :]
@@ -197,10 +196,7 @@ def ssd_dx_dB_kernel(
         dB_acc = mma(x_scaled, dS_out, dB_acc, DOT_PRECISION, UPCAST)
         # Paths through the outputs of rows i >= j of this chunk.
         for i0 in range(j0, i_end, BLOCK):
-            offs_i = i0 + tl.arange(0, BLOCK)
-            mask_i = offs_i < length
-            rows_i = tok0 + offs_i
-            cs_i = tl.load(cs_ptr + head_row + rows_i, mask=mask_i, other=0.0)
+            offs_i, mask_i, rows_i, cs_i, _ = load_block_decay(cs_ptr, dtd_ptr, head_row, tok0, i0, length, BLOCK)
             C_i = load_tile(C_ptr + g * stride_C_g, rows_i, mask_i, stride_C_t, offs_n, mask_n, stride_C_n)
             dy_i = load_tile(dy_head, rows_i, mask_i, stride_dy_t, offs_p, mask_p, stride_dy_p).to(x_j.dtype)
             causal = (offs_i[None, :] >= offs_j[:, None]) & mask_i[None, :]  # (j, i)
@@ -265,11 +261,7 @@ def ssd_dC_kernel(
         dC_h = mma(dy_i, state_in, tl.zeros((BLOCK, BLOCK_N), tl.float32), DOT_PRECISION, UPCAST)
         dC_h = dC_h * tl.exp(cs_i)[:, None]
         for j0 in range(0, j_end, BLOCK):
-            offs_j = j0 + tl.arange(0, BLOCK)
-            mask_j = offs_j < length
-            rows_j = tok0 + offs_j
-            cs_j = tl.load(cs_ptr + head_row + rows_j, mask=mask_j, other=0.0)
-            dt_j = tl.load(dtd_ptr + head_row + rows_j, mask=mask_j, other=0.0)
+            offs_j, mask_j, rows_j, cs_j, dt_j = load_block_decay(cs_ptr, dtd_ptr, head_row, tok0, j0, length, BLOCK)
             x_j = load_tile(x_head, rows_j, mask_j, stride_x_t, offs_p, mask_p, stride_x_p)
             B_j = load_tile(B_ptr + g * stride_B_g, rows_j, mask_j, stride_B_t, offs_n, mask_n, stride_B_n)
             dyx = mma(dy_i, tl.trans(x_j.to(C_i.dtype)), tl.zeros((BLOCK, BLOCK), tl.float32), DOT_PRECISION, UPCAST)
@@ -336,26 +328,14 @@ state_grads = TunableKernel(
     key=_KEY,
     clamp=_clamp_state_grads,
 )
-dx_dB = TunableKernel(
-    ssd_dx_dB_kernel,
-    [
-        _C({"BLOCK": 64}, num_warps=8, num_stages=2),
-        _C({"BLOCK": 64}, num_warps=4, num_stages=2),
-        _C({"BLOCK": 32}, num_warps=4, num_stages=3),
-    ],
-    key=_KEY,
-    clamp=_clamp_block,
-)
-dC = TunableKernel(
-    ssd_dC_kernel,
-    [
-        _C({"BLOCK": 64}, num_warps=8, num_stages=2),
-        _C({"BLOCK": 64}, num_warps=4, num_stages=2),
-        _C({"BLOCK": 32}, num_warps=4, num_stages=3),
-    ],
-    key=_KEY,
-    clamp=_clamp_block,
-)
+# dx / dB and dC loop over the same (chunk, block, head split) grid with similar tiles.
+_SPLIT_CONFIGS = [
+    _C({"BLOCK": 64}, num_warps=8, num_stages=2),
+    _C({"BLOCK": 64}, num_warps=4, num_stages=2),
+    _C({"BLOCK": 32}, num_warps=4, num_stages=3),
+]
+dx_dB = TunableKernel(ssd_dx_dB_kernel, _SPLIT_CONFIGS, key=_KEY, clamp=_clamp_block)
+dC = TunableKernel(ssd_dC_kernel, _SPLIT_CONFIGS, key=_KEY, clamp=_clamp_block)
 
 # Aim for this many programs in the dx/dB and dC kernels when choosing head splits.
 _TARGET_PROGRAMS = 1024

@@ -35,6 +35,7 @@ from ssmshard.kernels.ssd_triton_common import (
     TunableKernel,
     chunk_block,
     dot_modes,
+    load_block_decay,
     load_chunk_dt,
     load_tile,
     mma,
@@ -110,11 +111,7 @@ def ssd_chunk_states_kernel(
         cs_last = tl.load(cs_ptr + head_row + tok0 + length - 1)  # chunks of a sequence are never empty
         state = state * tl.exp(cs_last)
         for t0 in range(0, length, BLOCK_T):
-            offs = t0 + tl.arange(0, BLOCK_T)
-            mask_t = offs < length
-            rows = tok0 + offs
-            cs = tl.load(cs_ptr + head_row + rows, mask=mask_t, other=0.0)
-            dt = tl.load(dtd_ptr + head_row + rows, mask=mask_t, other=0.0)
+            _, mask_t, rows, cs, dt = load_block_decay(cs_ptr, dtd_ptr, head_row, tok0, t0, length, BLOCK_T)
             weight = tl.where(mask_t, tl.exp(cs_last - cs) * dt, 0.0)  # decay to the chunk end, times dt_j
             x = load_tile(x_head, rows, mask_t, stride_x_t, offs_p, mask_p, stride_x_p)
             Bt = load_tile(B_group, rows, mask_t, stride_B_t, offs_n, mask_n, stride_B_n)
@@ -161,11 +158,7 @@ def ssd_chunk_output_kernel(
     # Causal quadratic form over the columns up to this block's last row.
     j_end = tl.where(row0 < length, tl.minimum(row0 + BLOCK_M, length), 0)
     for j0 in range(0, j_end, BLOCK_K):
-        offs_j = j0 + tl.arange(0, BLOCK_K)
-        mask_j = offs_j < length
-        rows_j = tok0 + offs_j
-        cs_j = tl.load(cs_ptr + head_row + rows_j, mask=mask_j, other=0.0)
-        dt_j = tl.load(dtd_ptr + head_row + rows_j, mask=mask_j, other=0.0)
+        offs_j, mask_j, rows_j, cs_j, dt_j = load_block_decay(cs_ptr, dtd_ptr, head_row, tok0, j0, length, BLOCK_K)
         B_j = load_tile(B_group, rows_j, mask_j, stride_B_t, offs_n, mask_n, stride_B_n)
         x_j = load_tile(x_head, rows_j, mask_j, stride_x_t, offs_p, mask_p, stride_x_p)
         cb = mma(C_i, tl.trans(B_j), tl.zeros((BLOCK_M, BLOCK_K), tl.float32), DOT_PRECISION, UPCAST)

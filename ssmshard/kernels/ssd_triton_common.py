@@ -161,6 +161,21 @@ def load_tile(ptr, rows, row_mask, stride_row, cols, col_mask, stride_col):
 
 
 @triton.jit
+def load_block_decay(cs_ptr, dtd_ptr, head_row, tok0, start, length, BLOCK: tl.constexpr):
+    """Chunk positions [start, start + BLOCK) of one head: (offs, mask, rows, cs, dt).
+
+    rows are token indices; cs and dt come from the (h, t) buffers of the dt kernel, 0
+    where mask is false.
+    """
+    offs = start + tl.arange(0, BLOCK)
+    mask = offs < length
+    rows = tok0 + offs
+    cs = tl.load(cs_ptr + head_row + rows, mask=mask, other=0.0)
+    dt = tl.load(dtd_ptr + head_row + rows, mask=mask, other=0.0)
+    return offs, mask, rows, cs, dt
+
+
+@triton.jit
 def chunk_block(chunk_start_ptr, chunk_len_ptr, n_slots, chunk_size,
                 BLOCK: tl.constexpr, LAST_BLOCKS_FIRST: tl.constexpr):
     """A block of BLOCK positions of one chunk, from program axis 0 = block * n_slots + chunk.
