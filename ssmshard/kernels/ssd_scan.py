@@ -67,6 +67,7 @@ class _SSDScan(torch.autograd.Function):
         return out.view(bsz, l, h, p), final
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dout, dfinal):
         x, dt, A, B, C, D, z, dt_bias, initial_states, ypre = ctx.saved_tensors
         bsz, l, h, p = x.shape
