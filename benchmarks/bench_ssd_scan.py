@@ -12,7 +12,7 @@ forward + backward, mamba_ssm's mamba_chunk_scan_combined side by side when it i
 achieved bandwidth (unique input + output bytes / time, against a measured device copy)
 and FLOP rate (the SSD algorithm's useful FLOPs / time).
 
-    python benchmarks/bench_ssd_scan.py [--out results.json] [--z] [--quick] [--no-autotune]
+    python benchmarks/bench_ssd_scan.py [--out results.json] [--z] [--quick] [--no-autotune] [--no-mamba]
 
 JSON goes to --out, else $OUT/bench_ssd_scan.json when $OUT is set. A short table is
 printed last.
@@ -43,6 +43,7 @@ def parse_args():
     parser.add_argument("--z", action="store_true", help="also gate by z (out * silu(z))")
     parser.add_argument("--quick", action="store_true", help="only B=8 x 2048 and the packed case")
     parser.add_argument("--no-autotune", action="store_true", help="run each kernel's first config")
+    parser.add_argument("--no-mamba", action="store_true", help="skip mamba_ssm even if it imports")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
 
@@ -162,8 +163,8 @@ def bench_case(name, b, l, lengths, args, device, mamba_fn):
         ours_fwd().backward(grad_out)
 
     with torch.no_grad():
-        result["ours_fwd_ms"] = do_bench(ours_fwd)
-    result["ours_fwd_bwd_ms"] = do_bench(ours_fwd_bwd, grad_to_none=grad_leaves)
+        result["ours_fwd_ms"] = do_bench(ours_fwd, return_mode="median")
+    result["ours_fwd_bwd_ms"] = do_bench(ours_fwd_bwd, grad_to_none=grad_leaves, return_mode="median")
     result["autotuned_configs"] = chosen_configs()
 
     if mamba_fn is not None:
@@ -178,8 +179,8 @@ def bench_case(name, b, l, lengths, args, device, mamba_fn):
         with torch.no_grad():
             ours_out = ours_fwd().float()
             result["mamba_vs_ours_out_err"] = rel_err(mamba_fwd(), ours_out)
-            result["mamba_fwd_ms"] = do_bench(mamba_fwd)
-        result["mamba_fwd_bwd_ms"] = do_bench(mamba_fwd_bwd, grad_to_none=grad_leaves)
+            result["mamba_fwd_ms"] = do_bench(mamba_fwd, return_mode="median")
+        result["mamba_fwd_bwd_ms"] = do_bench(mamba_fwd_bwd, grad_to_none=grad_leaves, return_mode="median")
         result["fwd_speedup_vs_mamba"] = result["mamba_fwd_ms"] / result["ours_fwd_ms"]
         result["fwd_bwd_speedup_vs_mamba"] = result["mamba_fwd_bwd_ms"] / result["ours_fwd_bwd_ms"]
 
@@ -207,7 +208,7 @@ def copy_bandwidth_GBps(device):
 
     src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src))
+    ms = do_bench(lambda: dst.copy_(src), return_mode="median")
     return 2 * src.numel() / ms / 1e6
 
 
@@ -222,12 +223,13 @@ def main():
     device = "cuda"
     torch.manual_seed(args.seed)
     generator = torch.Generator().manual_seed(args.seed)
-    try:
-        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined as mamba_fn
-        mamba_note = "mamba_ssm imported"
-    except Exception as exc:  # any import failure: report it and bench ours alone
-        mamba_fn = None
-        mamba_note = f"mamba_ssm not available ({type(exc).__name__}: {exc}); ours only"
+    mamba_fn, mamba_note = None, "mamba_ssm skipped (--no-mamba)"
+    if not args.no_mamba:
+        try:
+            from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined as mamba_fn
+            mamba_note = "mamba_ssm imported"
+        except Exception as exc:  # any import failure: report it and bench ours alone
+            mamba_note = f"mamba_ssm not available ({type(exc).__name__}: {exc}); ours only"
     print(mamba_note, flush=True)
 
     cases = [("B8xL2048", 8, 2048, None)]
@@ -242,19 +244,19 @@ def main():
         "dtype": "bfloat16", "mamba_ssm": mamba_note, "packed_lengths": lengths,
         "copy_GBps": copy_bandwidth_GBps(device), "cases": [],
     }
+    out_path = args.out or (os.path.join(os.environ["OUT"], "bench_ssd_scan.json") if os.environ.get("OUT") else None)
     start = time.time()
     for name, b, l, lens in cases:
         t0 = time.time()
         result = bench_case(name, b, l, lens, args, device, mamba_fn)
         result["wall_s"] = round(time.time() - t0, 1)
         report["cases"].append(result)
+        report["total_wall_s"] = round(time.time() - start, 1)
         print(json.dumps(result), flush=True)
-    report["total_wall_s"] = round(time.time() - start, 1)
-
-    out_path = args.out or (os.path.join(os.environ["OUT"], "bench_ssd_scan.json") if os.environ.get("OUT") else None)
+        if out_path:  # after every case, so a run cut short still leaves its results
+            with open(out_path, "w") as f:
+                json.dump(report, f, indent=2)
     if out_path:
-        with open(out_path, "w") as f:
-            json.dump(report, f, indent=2)
         print(f"wrote {out_path}")
 
     print(f"\n{report['device']}, bf16, h={HEADS} p={HEADDIM} n={DSTATE} g={GROUPS} T={CHUNK}, "
