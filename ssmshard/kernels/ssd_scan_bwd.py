@@ -81,8 +81,7 @@ def ssd_state_grads_kernel(
     mask_pn = mask_p[:, None] & mask_n[None, :]
     offs_pn = offs_p[:, None] * dstate + offs_n[None, :]
     state_size = headdim * dstate
-    head_row = tl.cast(h, tl.int64) * n_tokens
-    C_group = C_ptr + g * stride_C_g
+    cs_head = cs_ptr + tl.cast(h, tl.int64) * n_tokens
     # Only n block 0 writes the per-token gradients: p limit headdim there, 0 elsewhere.
     mask_p_token_grads = offs_p < tl.where(nb == 0, headdim, 0)
 
@@ -114,16 +113,20 @@ def ssd_state_grads_kernel(
 
         tok0 = tl.load(chunk_start_ptr + k).to(tl.int64)
         length = tl.load(chunk_len_ptr + k)
-        dS = dS * tl.exp(tl.load(cs_ptr + head_row + tok0 + length - 1))
+        cs_chunk = cs_head + tok0
+        dS = dS * tl.exp(tl.load(cs_chunk + length - 1))
+        # Pointers to the chunk's first token; offsets inside the chunk stay int32.
+        dout_chunk = dout_ptr + tok0 * stride_dout_t + h * stride_dout_h
+        C_chunk = C_ptr + tok0 * stride_C_t + g * stride_C_g
+        buf_chunk = (tok0 * n_heads + h) * headdim  # into the contiguous (t, h, p) buffers
         for t0 in range(0, length, BLOCK_T):
             # (dt is not needed here: cs stands in for its buffer)
-            _, mask_t, rows, cs, _ = load_block_decay(cs_ptr, cs_ptr, head_row, tok0, t0, length, BLOCK_T)
-            dy = load_tile(dout_ptr + h * stride_dout_h, rows, mask_t, stride_dout_t, offs_p, mask_p,
-                           stride_dout_p).to(tl.float32)
+            offs, mask_t, cs, unused_dt = load_block_decay(cs_chunk, cs_chunk, t0, length, BLOCK_T)
+            dy = load_tile(dout_chunk, offs, mask_t, stride_dout_t, offs_p, mask_p, stride_dout_p).to(tl.float32)
             mask_token_grads = mask_t[:, None] & mask_p_token_grads[None, :]
-            buf_offs = (rows[:, None] * n_heads + h) * headdim + offs_p[None, :]
+            buf_offs = buf_chunk + offs[:, None] * (n_heads * headdim) + offs_p[None, :]
             if HAS_Z:
-                z = load_tile(z_ptr + h * stride_z_h, rows, mask_t, stride_z_t, offs_p, mask_p,
+                z = load_tile(z_ptr + tok0 * stride_z_t + h * stride_z_h, offs, mask_t, stride_z_t, offs_p, mask_p,
                               stride_z_p).to(tl.float32)
                 sig = tl.sigmoid(z)
                 ypre = tl.load(ypre_ptr + buf_offs, mask=mask_token_grads, other=0.0).to(tl.float32)
@@ -132,10 +135,10 @@ def ssd_state_grads_kernel(
                 dy = dy * z * sig
                 tl.store(dy_ptr + buf_offs, dy.to(dy_ptr.dtype.element_ty), mask=mask_token_grads)
             if HAS_D:
-                xt = load_tile(x_ptr + h * stride_x_h, rows, mask_t, stride_x_t, offs_p, mask_p_token_grads,
-                               stride_x_p).to(tl.float32)
+                xt = load_tile(x_ptr + tok0 * stride_x_t + h * stride_x_h, offs, mask_t, stride_x_t, offs_p,
+                               mask_p_token_grads, stride_x_p).to(tl.float32)
                 dD_acc += tl.sum(dy * xt, 0)
-            Ct = load_tile(C_group, rows, mask_t, stride_C_t, offs_n, mask_n, stride_C_n)
+            Ct = load_tile(C_chunk, offs, mask_t, stride_C_t, offs_n, mask_n, stride_C_n)
             dyw = (dy * tl.where(mask_t, tl.exp(cs), 0.0)[:, None]).to(Ct.dtype)
             dS = mma(tl.trans(dyw), Ct, dS, DOT_PRECISION, UPCAST)
     if HAS_INIT:
@@ -168,23 +171,26 @@ def ssd_dx_dB_kernel(
     g = tl.program_id(1)
     sp = tl.program_id(2)
     offs_p, mask_p, offs_n, mask_n, mask_p_state = state_coords(headdim, dstate, length, BLOCK_P, BLOCK_N)
-    rows_j = tok0 + offs_j
     mask_jp = mask_j[:, None] & mask_p[None, :]
+    # Pointers to the chunk's first token; offsets inside the chunk stay int32.
+    B_chunk = B_ptr + tok0 * stride_B_t + g * stride_B_g
+    C_chunk = C_ptr + tok0 * stride_C_t + g * stride_C_g
 
-    B_j = load_tile(B_ptr + g * stride_B_g, rows_j, mask_j, stride_B_t, offs_n, mask_n, stride_B_n)
+    B_j = load_tile(B_chunk, offs_j, mask_j, stride_B_t, offs_n, mask_n, stride_B_n)
     dB_acc = tl.zeros((BLOCK, BLOCK_N), tl.float32)
     i_end = tl.where(j0 < length, length, 0)
     e_lo = sp * heads_per_split
     for e in range(e_lo, tl.minimum(e_lo + heads_per_split, heads_per_group)):
         h = g * heads_per_group + e
-        head_row = tl.cast(h, tl.int64) * n_tokens
-        x_head = x_ptr + h * stride_x_h
-        dy_head = dy_ptr + h * stride_dy_h
+        x_chunk = x_ptr + tok0 * stride_x_t + h * stride_x_h
+        dy_chunk = dy_ptr + tok0 * stride_dy_t + h * stride_dy_h
+        cs_chunk = cs_ptr + tl.cast(h, tl.int64) * n_tokens + tok0
+        dtd_chunk = dtd_ptr + tl.cast(h, tl.int64) * n_tokens + tok0
         # An unused slot has length 0: read position 0 instead of -1 (nothing is stored for it).
-        cs_last = tl.load(cs_ptr + head_row + tok0 + tl.maximum(length - 1, 0))
-        cs_j = tl.load(cs_ptr + head_row + rows_j, mask=mask_j, other=0.0)
-        dt_j = tl.load(dtd_ptr + head_row + rows_j, mask=mask_j, other=0.0)
-        x_j = load_tile(x_head, rows_j, mask_j, stride_x_t, offs_p, mask_p, stride_x_p)
+        cs_last = tl.load(cs_chunk + tl.maximum(length - 1, 0))
+        cs_j = tl.load(cs_chunk + offs_j, mask=mask_j, other=0.0)
+        dt_j = tl.load(dtd_chunk + offs_j, mask=mask_j, other=0.0)
+        x_j = load_tile(x_chunk, offs_j, mask_j, stride_x_t, offs_p, mask_p, stride_x_p)
         slot = tl.cast(k, tl.int64) * n_heads + h
         dS_out = load_tile(dstates_ptr + slot * headdim * dstate, offs_p, mask_p_state, dstate,
                            offs_n, mask_n, 1)  # (p, n)
@@ -196,9 +202,10 @@ def ssd_dx_dB_kernel(
         dB_acc = mma(x_scaled, dS_out, dB_acc, DOT_PRECISION, UPCAST)
         # Paths through the outputs of rows i >= j of this chunk.
         for i0 in range(j0, i_end, BLOCK):
-            offs_i, mask_i, rows_i, cs_i, _ = load_block_decay(cs_ptr, dtd_ptr, head_row, tok0, i0, length, BLOCK)
-            C_i = load_tile(C_ptr + g * stride_C_g, rows_i, mask_i, stride_C_t, offs_n, mask_n, stride_C_n)
-            dy_i = load_tile(dy_head, rows_i, mask_i, stride_dy_t, offs_p, mask_p, stride_dy_p).to(x_j.dtype)
+            # (Triton keeps every name assigned before a loop as a loop variable: no "_" here.)
+            offs_i, mask_i, cs_i, unused_dt_i = load_block_decay(cs_chunk, dtd_chunk, i0, length, BLOCK)
+            C_i = load_tile(C_chunk, offs_i, mask_i, stride_C_t, offs_n, mask_n, stride_C_n)
+            dy_i = load_tile(dy_chunk, offs_i, mask_i, stride_dy_t, offs_p, mask_p, stride_dy_p).to(x_j.dtype)
             causal = (offs_i[None, :] >= offs_j[:, None]) & mask_i[None, :]  # (j, i)
             decay = tl.exp(tl.where(causal, cs_i[None, :] - cs_j[:, None], -float("inf")))
             cb_t = mma(B_j, tl.trans(C_i), tl.zeros((BLOCK, BLOCK), tl.float32), DOT_PRECISION, UPCAST)
@@ -207,16 +214,19 @@ def ssd_dx_dB_kernel(
             dB_acc = mma((dyx_t * decay * dt_j[:, None]).to(C_i.dtype), C_i, dB_acc, DOT_PRECISION, UPCAST)
         dx = G * dt_j[:, None]
         if HAS_D:
-            dy_j = load_tile(dy_head, rows_j, mask_j, stride_dy_t, offs_p, mask_p, stride_dy_p).to(tl.float32)
+            dy_j = load_tile(dy_chunk, offs_j, mask_j, stride_dy_t, offs_p, mask_p, stride_dy_p).to(tl.float32)
             if D_PER_P:
                 dx += dy_j * tl.load(D_ptr + h * headdim + offs_p, mask=mask_p, other=0.0).to(tl.float32)[None, :]
             else:
                 dx += dy_j * tl.load(D_ptr + h).to(tl.float32)
-        tl.store(dx_ptr + (rows_j[:, None] * n_heads + h) * headdim + offs_p[None, :],
+        dx_chunk = dx_ptr + (tok0 * n_heads + h) * headdim  # contiguous (t, h, p)
+        tl.store(dx_chunk + offs_j[:, None] * (n_heads * headdim) + offs_p[None, :],
                  dx.to(dx_ptr.dtype.element_ty), mask=mask_jp)
-        tl.store(ddt_direct_ptr + head_row + rows_j, tl.sum(G * x_j.to(tl.float32), 1), mask=mask_j)
-    dB_rows = (tl.cast(sp, tl.int64) * n_tokens + rows_j) * (tl.num_programs(1) * dstate) + g * dstate
-    tl.store(dB_part_ptr + dB_rows[:, None] + offs_n[None, :], dB_acc, mask=mask_j[:, None] & mask_n[None, :])
+        tl.store(ddt_direct_ptr + tl.cast(h, tl.int64) * n_tokens + tok0 + offs_j,
+                 tl.sum(G * x_j.to(tl.float32), 1), mask=mask_j)
+    dB_chunk = dB_part_ptr + ((tl.cast(sp, tl.int64) * n_tokens + tok0) * tl.num_programs(1) + g) * dstate
+    tl.store(dB_chunk + offs_j[:, None] * (tl.num_programs(1) * dstate) + offs_n[None, :], dB_acc,
+             mask=mask_j[:, None] & mask_n[None, :])
 
 
 @triton.jit
@@ -241,19 +251,22 @@ def ssd_dC_kernel(
     g = tl.program_id(1)
     sp = tl.program_id(2)
     offs_p, mask_p, offs_n, mask_n, mask_p_state = state_coords(headdim, dstate, length, BLOCK_P, BLOCK_N)
-    rows_i = tok0 + offs_i
+    # Pointers to the chunk's first token; offsets inside the chunk stay int32.
+    B_chunk = B_ptr + tok0 * stride_B_t + g * stride_B_g
 
-    C_i = load_tile(C_ptr + g * stride_C_g, rows_i, mask_i, stride_C_t, offs_n, mask_n, stride_C_n)
+    C_i = load_tile(C_ptr + tok0 * stride_C_t + g * stride_C_g, offs_i, mask_i, stride_C_t, offs_n, mask_n,
+                    stride_C_n)
     C_i32 = C_i.to(tl.float32)
     dC_acc = tl.zeros((BLOCK, BLOCK_N), tl.float32)
     j_end = tl.where(i0 < length, tl.minimum(i0 + BLOCK, length), 0)
     e_lo = sp * heads_per_split
     for e in range(e_lo, tl.minimum(e_lo + heads_per_split, heads_per_group)):
         h = g * heads_per_group + e
-        head_row = tl.cast(h, tl.int64) * n_tokens
-        x_head = x_ptr + h * stride_x_h
-        cs_i = tl.load(cs_ptr + head_row + rows_i, mask=mask_i, other=0.0)
-        dy_i = load_tile(dy_ptr + h * stride_dy_h, rows_i, mask_i, stride_dy_t, offs_p, mask_p,
+        x_chunk = x_ptr + tok0 * stride_x_t + h * stride_x_h
+        cs_chunk = cs_ptr + tl.cast(h, tl.int64) * n_tokens + tok0
+        dtd_chunk = dtd_ptr + tl.cast(h, tl.int64) * n_tokens + tok0
+        cs_i = tl.load(cs_chunk + offs_i, mask=mask_i, other=0.0)
+        dy_i = load_tile(dy_ptr + tok0 * stride_dy_t + h * stride_dy_h, offs_i, mask_i, stride_dy_t, offs_p, mask_p,
                          stride_dy_p).to(C_i.dtype)
         slot = tl.cast(k, tl.int64) * n_heads + h
         state_in = load_tile(states_ptr + slot * headdim * dstate, offs_p, mask_p_state, dstate,
@@ -261,17 +274,18 @@ def ssd_dC_kernel(
         dC_h = mma(dy_i, state_in, tl.zeros((BLOCK, BLOCK_N), tl.float32), DOT_PRECISION, UPCAST)
         dC_h = dC_h * tl.exp(cs_i)[:, None]
         for j0 in range(0, j_end, BLOCK):
-            offs_j, mask_j, rows_j, cs_j, dt_j = load_block_decay(cs_ptr, dtd_ptr, head_row, tok0, j0, length, BLOCK)
-            x_j = load_tile(x_head, rows_j, mask_j, stride_x_t, offs_p, mask_p, stride_x_p)
-            B_j = load_tile(B_ptr + g * stride_B_g, rows_j, mask_j, stride_B_t, offs_n, mask_n, stride_B_n)
+            offs_j, mask_j, cs_j, dt_j = load_block_decay(cs_chunk, dtd_chunk, j0, length, BLOCK)
+            x_j = load_tile(x_chunk, offs_j, mask_j, stride_x_t, offs_p, mask_p, stride_x_p)
+            B_j = load_tile(B_chunk, offs_j, mask_j, stride_B_t, offs_n, mask_n, stride_B_n)
             dyx = mma(dy_i, tl.trans(x_j.to(C_i.dtype)), tl.zeros((BLOCK, BLOCK), tl.float32), DOT_PRECISION, UPCAST)
             causal = (offs_i[:, None] >= offs_j[None, :]) & mask_j[None, :]
             decay = tl.exp(tl.where(causal, cs_i[:, None] - cs_j[None, :], -float("inf")))
             dC_h = mma((dyx * decay * dt_j[None, :]).to(B_j.dtype), B_j, dC_h, DOT_PRECISION, UPCAST)
-        tl.store(dcs_row_ptr + head_row + rows_i, tl.sum(dC_h * C_i32, 1), mask=mask_i)
+        tl.store(dcs_row_ptr + tl.cast(h, tl.int64) * n_tokens + tok0 + offs_i, tl.sum(dC_h * C_i32, 1), mask=mask_i)
         dC_acc += dC_h
-    dC_rows = (tl.cast(sp, tl.int64) * n_tokens + rows_i) * (tl.num_programs(1) * dstate) + g * dstate
-    tl.store(dC_part_ptr + dC_rows[:, None] + offs_n[None, :], dC_acc, mask=mask_i[:, None] & mask_n[None, :])
+    dC_chunk = dC_part_ptr + ((tl.cast(sp, tl.int64) * n_tokens + tok0) * tl.num_programs(1) + g) * dstate
+    tl.store(dC_chunk + offs_i[:, None] * (tl.num_programs(1) * dstate) + offs_n[None, :], dC_acc,
+             mask=mask_i[:, None] & mask_n[None, :])
 
 
 @triton.jit
@@ -316,26 +330,41 @@ def _clamp_block(kw, args):
     return kw
 
 
+# Configs: none spills registers (or only a few bytes) for sm_90 at Mamba2-2.7B sizes
+# (benchmarks/compile_ssd_scan.py).
 _C = triton.Config
 _KEY = ["headdim", "dstate", "chunk_size", "tune_bucket"]
 state_grads = TunableKernel(
     ssd_state_grads_kernel,
     [
-        _C({"BLOCK_T": 64, "BLOCK_N": 64}, num_warps=4, num_stages=2),
+        _C({"BLOCK_T": 64, "BLOCK_N": 64}, num_warps=8, num_stages=2),
         _C({"BLOCK_T": 128, "BLOCK_N": 64}, num_warps=8, num_stages=2),
         _C({"BLOCK_T": 64, "BLOCK_N": 32}, num_warps=4, num_stages=3),
+        _C({"BLOCK_T": 32, "BLOCK_N": 64}, num_warps=4, num_stages=2),
     ],
     key=_KEY,
     clamp=_clamp_state_grads,
 )
-# dx / dB and dC loop over the same (chunk, block, head split) grid with similar tiles.
-_SPLIT_CONFIGS = [
-    _C({"BLOCK": 64}, num_warps=8, num_stages=2),
-    _C({"BLOCK": 64}, num_warps=4, num_stages=2),
-    _C({"BLOCK": 32}, num_warps=4, num_stages=3),
-]
-dx_dB = TunableKernel(ssd_dx_dB_kernel, _SPLIT_CONFIGS, key=_KEY, clamp=_clamp_block)
-dC = TunableKernel(ssd_dC_kernel, _SPLIT_CONFIGS, key=_KEY, clamp=_clamp_block)
+dx_dB = TunableKernel(
+    ssd_dx_dB_kernel,
+    [
+        _C({"BLOCK": 32}, num_warps=8, num_stages=2),
+        _C({"BLOCK": 64}, num_warps=8, num_stages=2),
+        _C({"BLOCK": 32}, num_warps=4, num_stages=2),
+    ],
+    key=_KEY,
+    clamp=_clamp_block,
+)
+dC = TunableKernel(
+    ssd_dC_kernel,
+    [
+        _C({"BLOCK": 64}, num_warps=8, num_stages=1),
+        _C({"BLOCK": 32}, num_warps=8, num_stages=2),
+        _C({"BLOCK": 64}, num_warps=8, num_stages=2),
+    ],
+    key=_KEY,
+    clamp=_clamp_block,
+)
 
 # Aim for this many programs in the dx/dB and dC kernels when choosing head splits.
 _TARGET_PROGRAMS = 1024

@@ -54,7 +54,7 @@ def ssd_dt_cumsum_kernel(
     k = tl.program_id(0)
     h = tl.program_id(1)
     tok0 = tl.load(chunk_start_ptr + k).to(tl.int64)
-    offs, mask, dt, _ = load_chunk_dt(dt_ptr, dt_bias_ptr, h, tok0, tl.load(chunk_len_ptr + k),
+    offs, mask, dt, unused_slope = load_chunk_dt(dt_ptr, dt_bias_ptr, h, tok0, tl.load(chunk_len_ptr + k),
                                       stride_dt_t, stride_dt_h, dt_min, dt_max, HAS_BIAS, SOFTPLUS, CHUNK_PAD)
     cs = tl.cumsum(dt * tl.load(A_ptr + h).to(tl.float32), 0)
     row = tl.cast(h, tl.int64) * n_tokens + tok0 + offs
@@ -100,7 +100,8 @@ def ssd_chunk_states_kernel(
 
     x_head = x_ptr + h * stride_x_h
     B_group = B_ptr + g * stride_B_g
-    head_row = tl.cast(h, tl.int64) * n_tokens
+    cs_head = cs_ptr + tl.cast(h, tl.int64) * n_tokens
+    dtd_head = dtd_ptr + tl.cast(h, tl.int64) * n_tokens
     first = tl.load(seq_first_chunk_ptr + s)
     last = tl.load(seq_first_chunk_ptr + s + 1)
     for k in range(first, last):
@@ -108,13 +109,15 @@ def ssd_chunk_states_kernel(
         tl.store(states_ptr + slot * state_size + offs_pn, state.to(states_ptr.dtype.element_ty), mask=mask_pn)
         tok0 = tl.load(chunk_start_ptr + k).to(tl.int64)
         length = tl.load(chunk_len_ptr + k)
-        cs_last = tl.load(cs_ptr + head_row + tok0 + length - 1)  # chunks of a sequence are never empty
+        cs_last = tl.load(cs_head + tok0 + length - 1)  # chunks of a sequence are never empty
         state = state * tl.exp(cs_last)
+        x_chunk = x_head + tok0 * stride_x_t
+        B_chunk = B_group + tok0 * stride_B_t
         for t0 in range(0, length, BLOCK_T):
-            _, mask_t, rows, cs, dt = load_block_decay(cs_ptr, dtd_ptr, head_row, tok0, t0, length, BLOCK_T)
+            offs, mask_t, cs, dt = load_block_decay(cs_head + tok0, dtd_head + tok0, t0, length, BLOCK_T)
             weight = tl.where(mask_t, tl.exp(cs_last - cs) * dt, 0.0)  # decay to the chunk end, times dt_j
-            x = load_tile(x_head, rows, mask_t, stride_x_t, offs_p, mask_p, stride_x_p)
-            Bt = load_tile(B_group, rows, mask_t, stride_B_t, offs_n, mask_n, stride_B_n)
+            x = load_tile(x_chunk, offs, mask_t, stride_x_t, offs_p, mask_p, stride_x_p)
+            Bt = load_tile(B_chunk, offs, mask_t, stride_B_t, offs_n, mask_n, stride_B_n)
             xw = (x.to(tl.float32) * weight[:, None]).to(Bt.dtype)  # (t, p)
             state = mma(tl.trans(xw), Bt, state, DOT_PRECISION, UPCAST)
     tl.store(final_ptr + head_seq * state_size + offs_pn, state, mask=mask_pn)
@@ -140,14 +143,16 @@ def ssd_chunk_output_kernel(
     h = tl.program_id(1)
     n_heads = tl.num_programs(1)
     g = h // heads_per_group
-    head_row = tl.cast(h, tl.int64) * n_tokens
-    x_head = x_ptr + h * stride_x_h
-    B_group = B_ptr + g * stride_B_g
     offs_p, mask_p, offs_n, mask_n, mask_p_state = state_coords(headdim, dstate, length, BLOCK_P, BLOCK_N)
-    rows_i = tok0 + offs_i
+    # Pointers to the chunk's first token; offsets inside the chunk stay int32.
+    x_chunk = x_ptr + tok0 * stride_x_t + h * stride_x_h
+    B_chunk = B_ptr + tok0 * stride_B_t + g * stride_B_g
+    cs_chunk = cs_ptr + tl.cast(h, tl.int64) * n_tokens + tok0
+    dtd_chunk = dtd_ptr + tl.cast(h, tl.int64) * n_tokens + tok0
 
-    cs_i = tl.load(cs_ptr + head_row + rows_i, mask=mask_i, other=0.0)
-    C_i = load_tile(C_ptr + g * stride_C_g, rows_i, mask_i, stride_C_t, offs_n, mask_n, stride_C_n)
+    cs_i = tl.load(cs_chunk + offs_i, mask=mask_i, other=0.0)
+    C_i = load_tile(C_ptr + tok0 * stride_C_t + g * stride_C_g, offs_i, mask_i, stride_C_t, offs_n, mask_n,
+                    stride_C_n)
     slot = tl.cast(k, tl.int64) * n_heads + h
     state_in = load_tile(states_ptr + slot * headdim * dstate, offs_p, mask_p_state, dstate,
                          offs_n, mask_n, 1)  # (p, n)
@@ -158,28 +163,30 @@ def ssd_chunk_output_kernel(
     # Causal quadratic form over the columns up to this block's last row.
     j_end = tl.where(row0 < length, tl.minimum(row0 + BLOCK_M, length), 0)
     for j0 in range(0, j_end, BLOCK_K):
-        offs_j, mask_j, rows_j, cs_j, dt_j = load_block_decay(cs_ptr, dtd_ptr, head_row, tok0, j0, length, BLOCK_K)
-        B_j = load_tile(B_group, rows_j, mask_j, stride_B_t, offs_n, mask_n, stride_B_n)
-        x_j = load_tile(x_head, rows_j, mask_j, stride_x_t, offs_p, mask_p, stride_x_p)
+        offs_j, mask_j, cs_j, dt_j = load_block_decay(cs_chunk, dtd_chunk, j0, length, BLOCK_K)
+        B_j = load_tile(B_chunk, offs_j, mask_j, stride_B_t, offs_n, mask_n, stride_B_n)
+        x_j = load_tile(x_chunk, offs_j, mask_j, stride_x_t, offs_p, mask_p, stride_x_p)
         cb = mma(C_i, tl.trans(B_j), tl.zeros((BLOCK_M, BLOCK_K), tl.float32), DOT_PRECISION, UPCAST)
         causal = (offs_i[:, None] >= offs_j[None, :]) & mask_j[None, :]
         decay = tl.exp(tl.where(causal, cs_i[:, None] - cs_j[None, :], -float("inf")))
         acc = mma((cb * decay * dt_j[None, :]).to(x_j.dtype), x_j, acc, DOT_PRECISION, UPCAST)
 
     if HAS_D:
-        x_i = load_tile(x_head, rows_i, mask_i, stride_x_t, offs_p, mask_p, stride_x_p).to(tl.float32)
+        x_i = load_tile(x_chunk, offs_i, mask_i, stride_x_t, offs_p, mask_p, stride_x_p).to(tl.float32)
         if D_PER_P:
             acc += x_i * tl.load(D_ptr + h * headdim + offs_p, mask=mask_p, other=0.0).to(tl.float32)[None, :]
         else:
             acc += x_i * tl.load(D_ptr + h).to(tl.float32)
     mask_ip = mask_i[:, None] & mask_p[None, :]
-    out_offs = rows_i[:, None] * stride_out_t + h * stride_out_h + offs_p[None, :] * stride_out_p
+    out_chunk = tok0 * stride_out_t + h * stride_out_h  # out and ypre share their layout
+    out_offs = offs_i[:, None] * stride_out_t + offs_p[None, :] * stride_out_p
     if STORE_YPRE:
-        tl.store(ypre_ptr + out_offs, acc.to(ypre_ptr.dtype.element_ty), mask=mask_ip)
+        tl.store(ypre_ptr + out_chunk + out_offs, acc.to(ypre_ptr.dtype.element_ty), mask=mask_ip)
     if HAS_Z:
-        z = load_tile(z_ptr + h * stride_z_h, rows_i, mask_i, stride_z_t, offs_p, mask_p, stride_z_p).to(tl.float32)
+        z = load_tile(z_ptr + tok0 * stride_z_t + h * stride_z_h, offs_i, mask_i, stride_z_t, offs_p, mask_p,
+                      stride_z_p).to(tl.float32)
         acc = acc * z * tl.sigmoid(z)
-    tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask_ip)
+    tl.store(out_ptr + out_chunk + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask_ip)
 
 
 # --- launchers --------------------------------------------------------------------------
@@ -203,6 +210,7 @@ def _clamp_output(kw, args):
     return kw
 
 
+# Configs: none spills registers for sm_90 at Mamba2-2.7B sizes (benchmarks/compile_ssd_scan.py).
 _C = triton.Config
 chunk_states = TunableKernel(
     ssd_chunk_states_kernel,
@@ -224,7 +232,7 @@ chunk_output = TunableKernel(
         _C({"BLOCK_M": 64, "BLOCK_K": 64}, num_warps=4, num_stages=2),
         _C({"BLOCK_M": 128, "BLOCK_K": 64}, num_warps=8, num_stages=2),
         _C({"BLOCK_M": 64, "BLOCK_K": 32}, num_warps=4, num_stages=3),
-        _C({"BLOCK_M": 128, "BLOCK_K": 32}, num_warps=4, num_stages=3),
+        _C({"BLOCK_M": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
     ],
     key=["headdim", "dstate", "chunk_size", "tune_bucket"],
     clamp=_clamp_output,

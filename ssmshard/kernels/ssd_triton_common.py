@@ -155,24 +155,28 @@ def load_chunk_dt(dt_ptr, dt_bias_ptr, h, tok0, length, stride_dt_t, stride_dt_h
 
 @triton.jit
 def load_tile(ptr, rows, row_mask, stride_row, cols, col_mask, stride_col):
-    """The (rows, cols) tile ptr[rows, cols]; 0 outside the masks."""
+    """The (rows, cols) tile ptr[rows, cols]; 0 outside the masks.
+
+    Kernels pass a base pointer already moved to their chunk (64-bit scalar arithmetic)
+    and int32 offsets inside it: a tile of 64-bit offsets would cost two registers per
+    element.
+    """
     return tl.load(ptr + rows[:, None] * stride_row + cols[None, :] * stride_col,
                    mask=row_mask[:, None] & col_mask[None, :], other=0.0)
 
 
 @triton.jit
-def load_block_decay(cs_ptr, dtd_ptr, head_row, tok0, start, length, BLOCK: tl.constexpr):
-    """Chunk positions [start, start + BLOCK) of one head: (offs, mask, rows, cs, dt).
+def load_block_decay(cs_chunk_ptr, dtd_chunk_ptr, start, length, BLOCK: tl.constexpr):
+    """Chunk positions [start, start + BLOCK) of one head: (offs, mask, cs, dt).
 
-    rows are token indices; cs and dt come from the (h, t) buffers of the dt kernel, 0
-    where mask is false.
+    The pointers point at the chunk's first token in the (h, t) buffers of the dt kernel;
+    cs and dt are 0 where mask is false.
     """
     offs = start + tl.arange(0, BLOCK)
     mask = offs < length
-    rows = tok0 + offs
-    cs = tl.load(cs_ptr + head_row + rows, mask=mask, other=0.0)
-    dt = tl.load(dtd_ptr + head_row + rows, mask=mask, other=0.0)
-    return offs, mask, rows, cs, dt
+    cs = tl.load(cs_chunk_ptr + offs, mask=mask, other=0.0)
+    dt = tl.load(dtd_chunk_ptr + offs, mask=mask, other=0.0)
+    return offs, mask, cs, dt
 
 
 @triton.jit
