@@ -6,8 +6,9 @@ from .capture import capture
 from .families import FAMILIES, build_small_model, family_of
 from .plan import Plan, PlanError, Rule
 from .program import Program
-from .runtime import DistributedModule, launch, parallelize
+from .runtime import CheckpointError, DistributedModule, launch, parallelize, parallelize_from_pretrained
 
-__all__ = ["FAMILIES", "DistributedModule", "Plan", "PlanError", "Program", "Rule", "build_small_model",
-           "capture", "family_of", "launch", "parallelize", "passes"]
+__all__ = ["FAMILIES", "CheckpointError", "DistributedModule", "Plan", "PlanError", "Program", "Rule",
+           "build_small_model", "capture", "family_of", "launch", "parallelize", "parallelize_from_pretrained",
+           "passes"]
 __version__ = "0.1.0"

@@ -45,31 +45,12 @@ def load_config(model: str):
                      "a config.json file, nor a checkpoint directory")
 
 
-def model_class_for(config):
-    """The supported HF class for ``config``: by ``architectures[0]``, else by ``model_type``."""
-    import transformers
-
-    from .families import FAMILIES
-
-    architectures = getattr(config, "architectures", None) or []
-    if architectures:
-        if architectures[0] in FAMILIES:
-            return FAMILIES[architectures[0]].model_class()
-        unsupported = architectures[0]
-    else:
-        for family in FAMILIES.values():
-            config_cls = getattr(transformers, family.config_class)
-            if config_cls.model_type == config.model_type:
-                return family.model_class()
-        unsupported = f"model_type {config.model_type!r}"
-    raise ValueError(f"ssmshard does not support {unsupported}. Supported model classes: "
-                     f"{', '.join(FAMILIES)}.")
-
-
 def cmd_inspect(args) -> int:
     import ssmshard
 
     try:
+        from .families import model_class_for
+
         config = load_config(args.model)
         cls = model_class_for(config)
         with torch.device("meta"):  # shapes only: no memory for weights, any size works

@@ -123,3 +123,46 @@ def build_small_model(name: str, *, device="cpu", dtype=None, seed=0, **override
     if dtype is not None:
         model = model.to(dtype)
     return model.eval()
+
+
+def model_class_for(config):
+    """The supported HF class for ``config``: by ``architectures[0]``, else by ``model_type``."""
+    import transformers
+
+    architectures = getattr(config, "architectures", None) or []
+    if architectures:
+        if architectures[0] in FAMILIES:
+            return FAMILIES[architectures[0]].model_class()
+        unsupported = architectures[0]
+    else:
+        for family in FAMILIES.values():
+            config_cls = getattr(transformers, family.config_class)
+            if config_cls.model_type == config.model_type:
+                return family.model_class()
+        unsupported = f"model_type {config.model_type!r}"
+    raise ValueError(f"ssmshard does not support {unsupported}. Supported model classes: "
+                     f"{', '.join(FAMILIES)}.")
+
+
+def build_meta_model(config, *, dtype=None):
+    """The HF model of ``config`` (a config object or a checkpoint directory) on the meta device.
+
+    Built the way ``from_pretrained(dtype=...)`` builds it (``_from_config``), so parameter
+    dtypes match what Hugging Face would load, including buffers it keeps in float32 (rotary
+    ``inv_freq``). ``dtype``: a ``torch.dtype``, ``None`` (torch's default dtype) or ``"auto"``
+    (the ``dtype`` recorded in the config).
+    """
+    import copy
+
+    import torch
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(config) if isinstance(config, str) else copy.deepcopy(config)
+    if dtype == "auto":
+        dtype = getattr(config, "dtype", None) or torch.get_default_dtype()
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    cls = model_class_for(config)
+    with torch.device("meta"):  # shapes only: nothing is allocated
+        model = cls._from_config(config, dtype=dtype) if dtype is not None else cls._from_config(config)
+    return model.eval()

@@ -104,14 +104,20 @@ def same_data(a: Placement, b: Placement) -> bool:
     return (isinstance(a, Replicate) and isinstance(b, Replicate)) or a == b
 
 
+def local_ranges(placement: Shard, rank: int) -> list[tuple[int, int]]:
+    """``(start, length)`` along ``placement.dim`` of each piece rank ``rank`` holds, in order."""
+    ranges, start = [], 0
+    for seg in placement.segments:
+        ranges.append((start + seg.offset(rank), seg.local))
+        start += seg.size
+    return ranges
+
+
 def local_slice(tensor: torch.Tensor, placement: Placement, rank: int) -> torch.Tensor:
     """This rank's part of a global tensor."""
     if not isinstance(placement, Shard):
         return tensor
-    parts, start = [], 0
-    for seg in placement.segments:
-        parts.append(tensor.narrow(placement.dim, start + seg.offset(rank), seg.local))
-        start += seg.size
+    parts = [tensor.narrow(placement.dim, start, length) for start, length in local_ranges(placement, rank)]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=placement.dim)
 
 

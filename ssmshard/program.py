@@ -164,13 +164,25 @@ class Program:
     def retarget(self, device) -> None:
         """Rewrite ``device=`` arguments of factory ops recorded at capture time."""
         device = torch.device(device)
-        changed = False
-        for node in self.graph_module.graph.nodes:
-            if isinstance(node.kwargs.get("device"), torch.device) and node.kwargs["device"] != device:
-                node.update_kwarg("device", device)
-                changed = True
-        if changed:
-            self.graph_module.recompile()
+
+        def swap(value):
+            return device if isinstance(value, torch.device) and value != device else value
+
+        # Positional devices too (``aten.to.device(x, device, dtype)``), and nested graphs:
+        # regions HF runs under torch.no_grad/autocast (Llama's rotary embedding) are captured
+        # as submodules called by a wrap higher-order op.
+        for module in self.graph_module.modules():
+            if not isinstance(module, torch.fx.GraphModule):
+                continue
+            changed = False
+            for node in module.graph.nodes:
+                args = torch.fx.node.map_aggregate(node.args, swap)
+                kwargs = torch.fx.node.map_aggregate(node.kwargs, swap)
+                if args != node.args or kwargs != node.kwargs:
+                    node.args, node.kwargs = args, kwargs
+                    changed = True
+            if changed:
+                module.recompile()
         self.capture_device = device
 
     # ----------------------------------------------------------------- calling

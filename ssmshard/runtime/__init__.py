@@ -1,6 +1,8 @@
-"""Running sharded programs: ``parallelize`` builds a rank's module; ``launch`` starts ranks locally."""
+"""Running sharded programs: ``parallelize`` builds a rank's module (from a model in memory or a
+safetensors checkpoint, ``checkpoint.py``); ``launch`` starts ranks locally."""
 
-from .distributed import DistributedModule, parallelize
+from .checkpoint import CheckpointError
+from .distributed import DistributedModule, parallelize, parallelize_from_pretrained
 from .launch import launch
 
-__all__ = ["DistributedModule", "launch", "parallelize"]
+__all__ = ["CheckpointError", "DistributedModule", "launch", "parallelize", "parallelize_from_pretrained"]

@@ -9,10 +9,12 @@ import torch.distributed as dist
 
 from ..capture import capture
 from ..collectives import all_reduce, register_group
+from ..families import build_meta_model
 from ..passes import run_pipeline
 from ..passes.shard import ShardingError
 from ..placement import Shard, local_slice, same_data
 from ..plan import Plan, PlanError
+from .checkpoint import SafetensorsCheckpoint, match_checkpoint, read_local_weights
 
 _group_ids = itertools.count()
 
@@ -126,20 +128,33 @@ class DistributedModule(torch.nn.Module):
         return generate(prefill, decode, input_ids, attention_mask, group=_group_of(self.program), **options)
 
 
-def parallelize(model, plan: Plan, *, group=None, device_mesh=None) -> DistributedModule:
+def parallelize(model, plan: Plan, *, group=None, device_mesh=None, checkpoint=None, device=None,
+                progress: bool = True) -> DistributedModule:
     """Shard ``model`` for this process's rank of ``group`` (default: the world).
 
-    The plan is validated against the model before any collective call: an impossible split
-    raises :class:`~ssmshard.plan.PlanError` in every process at once.
+    ``device_mesh``: a 1-D ``DeviceMesh`` whose ranks form the tensor-parallel group (instead
+    of ``group``). ``checkpoint``: a safetensors checkpoint directory (one file or shards with
+    ``model.safetensors.index.json``) or file; each rank then reads only its own slices of it,
+    and ``model`` only gives the shapes and dtypes, so it is best built on the meta device
+    (see :func:`parallelize_from_pretrained`). ``device``: where checkpoint weights are put
+    (default: the current CUDA device under NCCL, else the CPU). ``progress``: a progress bar
+    over the tensors read, on rank 0.
+
+    The plan and the checkpoint's keys and shapes are validated against the model before any
+    collective call: an impossible split raises :class:`~ssmshard.plan.PlanError`, a missing
+    key or mismatched shape :class:`~ssmshard.runtime.checkpoint.CheckpointError`, in every
+    process at once.
     """
     program = capture(model, mode="forward")
     placements = plan.layout(program, model)  # PlanError here, before any process-group work
-    if device_mesh is not None:
-        group = device_mesh.get_group()
-    if not dist.is_initialized():
-        raise RuntimeError("parallelize needs an initialised process group: run under torchrun or "
-                           "ssmshard.launch (or call torch.distributed.init_process_group)")
-    group = group or dist.group.WORLD
+    source = keys = None
+    if checkpoint is not None:
+        source = SafetensorsCheckpoint(checkpoint)
+        keys = match_checkpoint(program, model, source)  # CheckpointError here, likewise
+    elif any(p.device.type == "meta" for p in model.parameters()):
+        raise ValueError("the model is on the meta device (shapes only): pass checkpoint=DIR to read its "
+                         "weights, or use ssmshard.parallelize_from_pretrained(DIR, plan)")
+    group = _tensor_parallel_group(group, device_mesh)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if world != plan.tp:
         raise PlanError(f"Plan(tp={plan.tp}) but the process group has {world} ranks; set tp={world}")
@@ -147,6 +162,13 @@ def parallelize(model, plan: Plan, *, group=None, device_mesh=None) -> Distribut
     register_group(name, group)
     options = {"rank": rank, "tp": plan.tp, "group": name, "training": plan.training}
     program = run_pipeline(program, [("shard", {**options, "placements": placements}), "collectives"])
+    if source is not None:
+        if device is None:
+            nccl = dist.get_backend(group) == "nccl"
+            device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        weights = read_local_weights(program, placements, model, source, keys, rank, device=device,
+                                     progress=progress and rank == 0)
+        return DistributedModule(program, weights, plan, rank, model=model, shard_options=options)
     named = dict(model.named_parameters(remove_duplicate=False))
     named.update(model.named_buffers(remove_duplicate=False))
     weights = {}
@@ -170,3 +192,29 @@ def _group_of(program):
     from ..collectives import resolve_group
 
     return resolve_group(program.shard["group"])
+
+
+def parallelize_from_pretrained(path, plan: Plan, *, dtype=None, **kwargs) -> DistributedModule:
+    """Build the model of checkpoint directory ``path`` on the meta device from its
+    ``config.json`` and :func:`parallelize` it with weights read slice by slice from ``path``.
+
+    ``dtype``: the weights' dtype (``torch.bfloat16``, ...; ``"auto"``: the config's; ``None``:
+    torch's default), chosen as ``from_pretrained(dtype=...)`` does (rotary ``inv_freq`` stays
+    float32); the checkpoint's tensors are converted to it as they are read.
+    """
+    model = build_meta_model(str(path), dtype=dtype)
+    return parallelize(model, plan, checkpoint=path, **kwargs)
+
+
+def _tensor_parallel_group(group, device_mesh):
+    if device_mesh is not None:
+        if group is not None:
+            raise ValueError("pass either group= or device_mesh=, not both")
+        if device_mesh.ndim != 1:
+            raise ValueError(f"device_mesh has {device_mesh.ndim} dims {tuple(device_mesh.shape)}; parallelize "
+                             "needs the 1-D tensor-parallel axis: pass mesh['tp'] (a 1-D slice of it)")
+        return device_mesh.get_group()
+    if not dist.is_initialized():
+        raise RuntimeError("parallelize needs an initialised process group: run under torchrun or "
+                           "ssmshard.launch (or call torch.distributed.init_process_group)")
+    return group or dist.group.WORLD
