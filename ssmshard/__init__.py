@@ -4,10 +4,11 @@ from . import collectives, ops  # noqa: F401  (register torch.ops.ssmshard.*)
 from . import passes
 from .capture import capture
 from .families import FAMILIES, build_small_model, family_of
+from .packing import PackedBatch, pack
 from .plan import Plan, PlanError, Rule
 from .program import Program
 from .runtime import DistributedModule, launch, parallelize
 
-__all__ = ["FAMILIES", "DistributedModule", "Plan", "PlanError", "Program", "Rule", "build_small_model",
-           "capture", "family_of", "launch", "parallelize", "passes"]
+__all__ = ["FAMILIES", "DistributedModule", "PackedBatch", "Plan", "PlanError", "Program", "Rule",
+           "build_small_model", "capture", "family_of", "launch", "pack", "parallelize", "passes"]
 __version__ = "0.1.0"

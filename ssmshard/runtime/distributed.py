@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from ..capture import capture
+from ..packing import PackedBatch
 from ..collectives import all_reduce, register_group
 from ..passes import run_pipeline
 from ..placement import Shard, local_slice
@@ -21,11 +22,16 @@ class DistributedModule(torch.nn.Module):
 
     ``forward(input_ids)`` returns the full logits on every rank and is differentiable: each
     local parameter's ``.grad`` is this rank's slice of the unsharded model's gradient.
+    Built with ``parallelize(..., packed=True)`` it also runs packed batches: ``forward`` of a
+    :class:`~ssmshard.packing.PackedBatch` (or ``input_ids`` (1, T) with ``cu_seqlens=``)
+    returns (1, T, vocab) logits, every sequence computed on its own.
     """
 
-    def __init__(self, program, weights: dict[str, torch.Tensor], plan: Plan, rank: int):
+    def __init__(self, program, weights: dict[str, torch.Tensor], plan: Plan, rank: int,
+                 packed_program=None):
         super().__init__()
         self.program = program
+        self.packed_program = packed_program  # sharded like ``program``, over the same local weights
         self.plan = plan
         self.rank = rank
         self._names = {}
@@ -36,7 +42,13 @@ class DistributedModule(torch.nn.Module):
                 self.register_parameter(name, torch.nn.Parameter(tensor, requires_grad=tensor.requires_grad))
             else:
                 self.register_buffer(name, tensor, persistent=False)
-        program.bind({fqn: getattr(self, name) for fqn, name in self._names.items()})
+        local = {fqn: getattr(self, name) for fqn, name in self._names.items()}
+        program.bind(local)
+        if packed_program is not None:
+            missing = sorted(set(packed_program.param_specs) - set(local))
+            if missing:
+                raise RuntimeError(f"the packed program reads weights the forward program does not: {missing[:3]}")
+            packed_program.bind(local)
 
     def local_weight(self, fqn: str) -> torch.Tensor:
         return getattr(self, self._names[fqn])
@@ -70,19 +82,28 @@ class DistributedModule(torch.nn.Module):
                     local.copy_(full.narrow(placement.dim, seg.offset(self.rank), seg.local))
                 start += seg.local
 
-    def forward(self, input_ids):
+    def forward(self, input_ids, *, cu_seqlens=None, position_ids=None):
+        program = self.program
+        if isinstance(input_ids, PackedBatch) or cu_seqlens is not None:
+            if self.packed_program is None:
+                raise ValueError("this DistributedModule was built without packing and would run packed "
+                                 "sequences as one: use ssmshard.parallelize(model, plan, packed=True)")
+            program = self.packed_program
         # Re-bind so parameters replaced by .to()/load_state_dict are the ones used.
-        self.program.weights = {fqn: getattr(self, name) for fqn, name in self._names.items()}
-        return self.program(input_ids)
+        program.weights = {fqn: getattr(self, name) for fqn, name in self._names.items()}
+        return program(input_ids, cu_seqlens=cu_seqlens, position_ids=position_ids)
 
 
-def parallelize(model, plan: Plan, *, group=None, device_mesh=None) -> DistributedModule:
+def parallelize(model, plan: Plan, *, group=None, device_mesh=None, packed: bool = False) -> DistributedModule:
     """Shard ``model`` for this process's rank of ``group`` (default: the world).
 
     The plan is validated against the model before any collective call: an impossible split
-    raises :class:`~ssmshard.plan.PlanError` in every process at once.
+    raises :class:`~ssmshard.plan.PlanError` in every process at once. ``packed=True`` also
+    captures and shards the packed forward program, so ``forward`` accepts packed batches.
     """
     program = capture(model, mode="forward")
+    # Captured before any process-group work too: a model packing cannot serve fails here.
+    packed_program = capture(model, mode="forward", packed=True) if packed else None
     placements = plan.layout(program, model)  # PlanError here, before any process-group work
     if device_mesh is not None:
         group = device_mesh.get_group()
@@ -97,6 +118,9 @@ def parallelize(model, plan: Plan, *, group=None, device_mesh=None) -> Distribut
     register_group(name, group)
     options = {"placements": placements, "rank": rank, "tp": plan.tp, "group": name, "training": plan.training}
     program = run_pipeline(program, [("shard", options), "collectives"])
+    if packed_program is not None:
+        # The same placements: both programs read one set of local weights.
+        packed_program = run_pipeline(packed_program, [("shard", dict(options)), "collectives"])
     named = dict(model.named_parameters(remove_duplicate=False))
     named.update(model.named_buffers(remove_duplicate=False))
     weights = {}
@@ -105,4 +129,4 @@ def parallelize(model, plan: Plan, *, group=None, device_mesh=None) -> Distribut
         placement = placements.get(fqn)
         local = local_slice(full.detach(), placement, rank) if isinstance(placement, Shard) else full.detach()
         weights[fqn] = local.clone().requires_grad_(spec.kind == "parameter" and full.requires_grad)
-    return DistributedModule(program, weights, plan, rank)
+    return DistributedModule(program, weights, plan, rank, packed_program)
