@@ -191,7 +191,8 @@ def capture(model, *, mode: str = "forward", packed: bool = False, example_batch
     if _model_device(model).type != "meta":
         program.bind(model)
     if verbose:
-        print(f"captured {family.class_name} ({mode}{', packed' if packed else ''}) in {program.capture_seconds:.2f}s: "
+        what = f"{mode}, packed" if packed else mode
+        print(f"captured {family.class_name} ({what}) in {program.capture_seconds:.2f}s: "
               f"{program.node_count()} nodes")
     return program
 
