@@ -125,7 +125,8 @@ def packed_errors(rank, world, cases_path, out_path):
             refused = "packed=True" in str(exc)
         results.append({"family": family, "rank": rank, "logits_err": rel_err(logits, case["logits"]),
                         "kwargs_logits_err": rel_err(by_kwargs, case["logits"]), "grad_err": diff / scale,
-                        "collectives": len(dm.packed_program.collectives), "refused_unpacked_module": refused})
+                        "collectives": len(dm.packed_program.collectives),
+                        "refused_unpacked_module": refused})
     gathered = [None] * world
     torch.distributed.all_gather_object(gathered, results)
     if rank == 0:
