@@ -4,11 +4,12 @@ from . import collectives, ops  # noqa: F401  (register torch.ops.ssmshard.*)
 from . import passes
 from .capture import capture
 from .families import FAMILIES, build_small_model, family_of
+from .packing import PackedBatch, pack
 from .plan import Plan, PlanError, Rule
 from .program import Program
 from .runtime import CheckpointError, DistributedModule, launch, parallelize, parallelize_from_pretrained
 
-__all__ = ["FAMILIES", "CheckpointError", "DistributedModule", "Plan", "PlanError", "Program", "Rule",
-           "build_small_model", "capture", "family_of", "launch", "parallelize", "parallelize_from_pretrained",
-           "passes"]
+__all__ = ["FAMILIES", "CheckpointError", "DistributedModule", "PackedBatch", "Plan", "PlanError", "Program",
+           "Rule", "build_small_model", "capture", "family_of", "launch", "pack", "parallelize",
+           "parallelize_from_pretrained", "passes"]
 __version__ = "0.1.0"

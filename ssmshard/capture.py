@@ -15,6 +15,10 @@ Three modes, each a pure function of its inputs (weights are graph inputs too):
 Prefill and decode see the inputs Hugging Face ``generate`` builds for each step (left
 padding masks, position ids), so they decode token for token like it.
 
+``capture(model, packed=True)`` gives a packed forward program,
+``(input_ids (1, T), cu_seqlens (S+1,)) -> logits (1, T, V)``, that runs S sequences laid end
+to end as if each ran alone (``packing.py``, ``packed_capture.py``).
+
 Decode rebuilds a Hugging Face cache object from the state tensors inside the traced
 function, so the model's own cache logic is what gets captured, version by version, and
 returns the updated tensors: no hidden mutation survives in the graph.
@@ -37,6 +41,7 @@ from torch.export import Dim
 
 from .families import cache_kwarg, family_of
 from .hf_shims import swapped_kernel_functions
+from .packed_capture import PackedForward, check_packable, example_cu_seqlens, verify_packed_graph
 from .program import Program, StateSpec
 
 MODES = ("forward", "prefill", "decode")
@@ -192,8 +197,8 @@ def _state_template(model, cache_kwarg, device):
     return getattr(out, cache_kwarg)
 
 
-def capture(model, *, mode: str = "forward", example_batch: int = 2, example_seq: int = 8,
-            verbose: bool = False) -> Program:
+def capture(model, *, mode: str = "forward", packed: bool = False, example_batch: int = 2,
+            example_seq: int = 8, verbose: bool = False) -> Program:
     """Capture ``model`` (a supported HF ``*ForCausalLM``) as a tagged :class:`Program`.
 
     Batch and sequence (decode: past) lengths are symbolic: one graph serves every shape in
@@ -202,18 +207,27 @@ def capture(model, *, mode: str = "forward", example_batch: int = 2, example_seq
     and the program's shape-bucket cache captures a sibling graph the first time a shape
     outside it arrives, replaying the same pass pipeline on it. ``example_*`` size the trace
     (``example_seq`` is the past length for decode).
+
+    ``packed=True`` (forward only) captures a program over packed sequences: called with a
+    :class:`~ssmshard.packing.PackedBatch` from ``ssmshard.pack`` (or ``input_ids`` (1, T) and
+    ``cu_seqlens=``), it returns the logits of every sequence as if each ran alone.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     family = family_of(model)
+    if packed:
+        if mode != "forward":
+            raise NotImplementedError(f"packed sequences are supported by forward programs only, not {mode!r}")
+        check_packable(model, family)
     started = time.perf_counter()
-    program = _capture_one(model, family, mode, example_batch, example_seq)
+    program = _capture_one(model, family, mode, example_batch, example_seq, packed)
     program.capture_seconds = time.perf_counter() - started
     program.recapture = lambda user_inputs: _recapture(model, family, program, user_inputs)
     if _model_device(model).type != "meta":
         program.bind(model)
     if verbose:
-        print(f"captured {family.class_name} ({mode}) in {program.capture_seconds:.2f}s: "
+        what = f"{mode}, packed" if packed else mode
+        print(f"captured {family.class_name} ({what}) in {program.capture_seconds:.2f}s: "
               f"{program.node_count()} nodes")
     return program
 
@@ -226,7 +240,7 @@ def _recapture(model, family, program, user_inputs) -> Program:
     batch, seq = max(2, ids.shape[0]), ids.shape[1]
     if program.mode == "decode":
         seq = user_inputs[1].shape[1] - 1  # the mask covers past + 1 tokens
-    sibling = _capture_one(model, family, program.mode, batch, seq)
+    sibling = _capture_one(model, family, program.mode, batch, seq, program.packed)
     from .passes import replay
 
     sibling = replay(sibling, program.history)
@@ -236,7 +250,7 @@ def _recapture(model, family, program, user_inputs) -> Program:
     return sibling
 
 
-def _capture_one(model, family, mode, example_batch, example_seq) -> Program:
+def _capture_one(model, family, mode, example_batch, example_seq, packed=False) -> Program:
     cache_kw = cache_kwarg(model)
     device = _model_device(model)
     with _capture_context(model, family):
@@ -245,7 +259,12 @@ def _capture_one(model, family, mode, example_batch, example_seq) -> Program:
         # records the range it serves.
         batch = Dim("batch", min=1)
         state_template = None if mode == "forward" else _state_template(model, cache_kw, device)
-        if mode == "forward":
+        if packed:
+            # Batch is 1 by definition; the packed length and the number of sequences vary.
+            wrapper = PackedForward(model, family.has_attention)
+            args = (_example_ids(model, 1, example_seq, device), example_cu_seqlens(example_seq, device))
+            dynamic = ({1: Dim("tokens", min=1)}, {0: Dim("offsets", min=2)})
+        elif mode == "forward":
             wrapper = _Forward(model)
             args = (_example_ids(model, example_batch, example_seq, device),)
             # Forward graphs do not branch on length, so ask for every length >= 1 (AUTO would
@@ -279,7 +298,7 @@ def _capture_one(model, family, mode, example_batch, example_seq) -> Program:
             if mode != "forward":
                 raise
             # This model does branch on length after all: let export choose the ranges.
-            dynamic = ({0: batch, 1: Dim.AUTO},)
+            dynamic = ({1: Dim.AUTO}, {0: Dim.AUTO}) if packed else ({0: batch, 1: Dim.AUTO},)
             exported = torch.export.export(wrapper, args, dynamic_shapes=dynamic, strict=False)
 
     state_specs = []
@@ -288,8 +307,10 @@ def _capture_one(model, family, mode, example_batch, example_seq) -> Program:
             state_specs.append(StateSpec(layer=layer_idx, kind=kind, dtype=tensor.dtype, ndim=tensor.dim()))
     program = Program.from_exported(
         exported, mode=mode, family=family.name, model=model, state_specs=state_specs,
-        capture_device=device, wrapper_prefix="model.",
+        capture_device=device, wrapper_prefix="model.", packed=packed,
     )
+    if packed:
+        verify_packed_graph(program)
     from .passes import run_pipeline  # late import: passes import Program
 
     return run_pipeline(program, ["tag"])

@@ -19,6 +19,9 @@ class Family:
     config_class: str
     modeling_module: str  # transformers.models.<x>.modeling_<x>
     small_config: Callable[[], dict[str, Any]]  # kwargs of a tiny random config
+    # Has attention layers: a packed forward must hand them per-sequence positions and a
+    # block-diagonal mask (pure SSM families take neither argument).
+    has_attention: bool = False
 
     def model_class(self):
         return getattr(importlib.import_module("transformers"), self.class_name)
@@ -76,13 +79,17 @@ FAMILIES: dict[str, Family] = {
         Family("falcon_mamba", "FalconMambaForCausalLM", "FalconMambaConfig",
                "transformers.models.falcon_mamba.modeling_falcon_mamba", _falcon_mamba),
         Family("mamba2", "Mamba2ForCausalLM", "Mamba2Config", "transformers.models.mamba2.modeling_mamba2", _mamba2),
-        Family("zamba", "ZambaForCausalLM", "ZambaConfig", "transformers.models.zamba.modeling_zamba", _zamba),
-        Family("zamba2", "Zamba2ForCausalLM", "Zamba2Config", "transformers.models.zamba2.modeling_zamba2", _zamba2),
-        Family("llama", "LlamaForCausalLM", "LlamaConfig", "transformers.models.llama.modeling_llama", _llama),
+        Family("zamba", "ZambaForCausalLM", "ZambaConfig", "transformers.models.zamba.modeling_zamba", _zamba,
+               has_attention=True),
+        Family("zamba2", "Zamba2ForCausalLM", "Zamba2Config", "transformers.models.zamba2.modeling_zamba2", _zamba2,
+               has_attention=True),
+        Family("llama", "LlamaForCausalLM", "LlamaConfig", "transformers.models.llama.modeling_llama", _llama,
+               has_attention=True),
         # Llama-style decoders whose graphs are the same ops under other names.
         Family("mistral", "MistralForCausalLM", "MistralConfig", "transformers.models.mistral.modeling_mistral",
-               lambda: {**_llama(), "sliding_window": None}),
-        Family("qwen2", "Qwen2ForCausalLM", "Qwen2Config", "transformers.models.qwen2.modeling_qwen2", _llama),
+               lambda: {**_llama(), "sliding_window": None}, has_attention=True),
+        Family("qwen2", "Qwen2ForCausalLM", "Qwen2Config", "transformers.models.qwen2.modeling_qwen2", _llama,
+               has_attention=True),
     ]
 }
 BY_NAME: dict[str, Family] = {f.name: f for f in FAMILIES.values()}

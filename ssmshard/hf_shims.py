@@ -13,13 +13,20 @@ do the same, whatever kernel package happens to be installed.
 Decode-step functions mutate their state argument in place in HF; the shims keep that
 contract (``state.copy_(new_state)``) and export's functionalisation turns it into a pure
 data flow.
+
+Packed sequences: HF mixers have no argument that would carry ``cu_seqlens`` from the model's
+call down to the kernel functions (and where they forward ``**kwargs``, versions differ in
+what they do with it). So the packed capture wrapper puts the graph's ``cu_seqlens`` tensor
+in a context variable for the duration of the trace (``packed_sequences``), and every scan
+and conv shim passes it to its op: each of those graph nodes then takes ``cu_seqlens`` as an
+input. Decode-step shims refuse to run under packing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import importlib
-import math
 
 import torch
 
@@ -27,23 +34,49 @@ from . import ops  # noqa: F401  (registers torch.ops.ssmshard.*)
 
 _ssm = torch.ops.ssmshard
 
+# The cu_seqlens tensor of the packed batch being traced, or None outside packed capture.
+_PACKED_CU_SEQLENS: contextvars.ContextVar = contextvars.ContextVar("ssmshard_packed_cu_seqlens", default=None)
 
-def _refuse_packing(kwargs, what):
-    # Sequence boundaries inside a row (seq_idx / cu_seqlens) must never be ignored silently.
+
+@contextlib.contextmanager
+def packed_sequences(cu_seqlens: torch.Tensor):
+    """Within the block, every scan/conv shim passes ``cu_seqlens`` to its op."""
+    token = _PACKED_CU_SEQLENS.set(cu_seqlens)
+    try:
+        yield
+    finally:
+        _PACKED_CU_SEQLENS.reset(token)
+
+
+def _packed_cu_seqlens(kwargs, what):
+    """The cu_seqlens of the packed trace (or None); boundaries passed through HF are refused.
+
+    Sequence boundaries that HF hands down (``seq_idx`` / ``cu_seqlens`` kwargs) come from a
+    call ssmshard did not make; they must never be ignored silently.
+    """
     for key in ("seq_idx", "cu_seqlens"):
         if kwargs.get(key) is not None:
             raise NotImplementedError(
-                f"{what} was called with {key}: packed sequences are not supported by the captured "
-                "reference ops yet. Pass one sequence per row (padded) instead."
+                f"{what} was called with {key} by the Hugging Face model: ssmshard does not take "
+                "packing information through HF's arguments. Capture with "
+                "ssmshard.capture(model, packed=True) and call the program with ssmshard.pack(...)."
             )
+    return _PACKED_CU_SEQLENS.get()
+
+
+def _refuse_under_packing(what):
+    if _PACKED_CU_SEQLENS.get() is not None:
+        raise NotImplementedError(f"{what} (a decode step) is not supported with packed sequences; "
+                                  "packed programs are forward-only")
 
 
 def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
-    _refuse_packing(kwargs, "causal_conv1d_fn")
-    return _ssm.causal_conv1d(hidden_states, weight, bias, activation)
+    cu_seqlens = _packed_cu_seqlens(kwargs, "causal_conv1d_fn")
+    return _ssm.causal_conv1d(hidden_states, weight, bias, activation, cu_seqlens)
 
 
 def causal_conv1d_update(hidden_states, conv_state, weight, bias=None, activation=None, **kwargs):
+    _refuse_under_packing("causal_conv1d_update")
     out, new_state = _ssm.causal_conv1d_update(hidden_states, conv_state, weight, bias, activation)
     conv_state.copy_(new_state)
     return out
@@ -51,14 +84,15 @@ def causal_conv1d_update(hidden_states, conv_state, weight, bias=None, activatio
 
 def mamba_selective_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None,
                          delta_softplus=False, return_last_state=False, **kwargs):
-    _refuse_packing(kwargs, "selective_scan")
+    cu_seqlens = _packed_cu_seqlens(kwargs, "selective_scan")
     out, last_state = _ssm.selective_scan(hidden_states, dt, A, B, C, D, z, delta_bias,
-                                          bool(delta_softplus), None)
+                                          bool(delta_softplus), None, cu_seqlens)
     return (out, last_state) if return_last_state else out
 
 
 def selective_state_update(state, hidden_states, dt, A, B, C, D=None, dt_bias=None,
                            dt_softplus=False, z=None, **kwargs):
+    _refuse_under_packing("selective_state_update")
     out, new_state = _ssm.selective_state_update(state, hidden_states, dt, A, B, C, D, z, dt_bias,
                                                  bool(dt_softplus))
     state.copy_(new_state)
@@ -68,12 +102,12 @@ def selective_state_update(state, hidden_states, dt, A, B, C, D=None, dt_bias=No
 def mamba2_chunk_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None,
                       initial_states=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
                       return_final_states=False, **kwargs):
-    _refuse_packing(kwargs, "mamba2_chunk_scan")
+    cu_seqlens = _packed_cu_seqlens(kwargs, "mamba2_chunk_scan")
     if kwargs.get("z") is not None:
         raise NotImplementedError("mamba2_chunk_scan with z is not used by any supported HF mixer")
     dt_min, dt_max = (float(v) for v in dt_limit)
     out, final_states = _ssm.ssd_scan(hidden_states, dt, A, B, C, int(chunk_size), D, dt_bias,
-                                      initial_states, bool(dt_softplus), dt_min, dt_max)
+                                      initial_states, bool(dt_softplus), dt_min, dt_max, cu_seqlens)
     return (out, final_states) if return_final_states else out
 
 

@@ -5,16 +5,17 @@ a fake implementation for shape propagation, and is differentiable. All ops
 are functional: nothing is mutated, caches are returned as new tensors.
 
 Dimension letters: b batch, l length, d channels, n state size, g groups,
-h heads, p head dim, k conv width, s conv state length.
+h heads, p head dim, k conv width, s conv state length, S packed sequences.
 
 Registered schemas:
     ssmshard::selective_scan(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C,
         Tensor? D, Tensor? z, Tensor? delta_bias, bool delta_softplus,
-        Tensor? initial_state) -> (Tensor, Tensor)
+        Tensor? initial_state, Tensor? cu_seqlens=None) -> (Tensor, Tensor)
     ssmshard::ssd_scan(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, SymInt chunk_size,
         Tensor? D, Tensor? dt_bias, Tensor? initial_states, bool dt_softplus,
-        float dt_min, float dt_max) -> (Tensor, Tensor)
-    ssmshard::causal_conv1d(Tensor x, Tensor weight, Tensor? bias, str? activation) -> Tensor
+        float dt_min, float dt_max, Tensor? cu_seqlens=None) -> (Tensor, Tensor)
+    ssmshard::causal_conv1d(Tensor x, Tensor weight, Tensor? bias, str? activation,
+        Tensor? cu_seqlens=None) -> Tensor
     ssmshard::causal_conv1d_update(Tensor x, Tensor conv_state, Tensor weight, Tensor? bias,
         str? activation) -> (Tensor, Tensor)
     ssmshard::selective_state_update(Tensor state, Tensor x, Tensor dt, Tensor A, Tensor B,
@@ -29,6 +30,14 @@ import torch
 from torch import Tensor
 
 from ssmshard.kernels import reference as ref
+from ssmshard.packing import check_cu_seqlens_layout
+
+
+def cu_seqlens_arg(node):
+    """The ``cu_seqlens`` argument of a graph node calling a packing-aware op (an FX node or None)."""
+    names = [a.name for a in node.target._schema.arguments]
+    index = names.index("cu_seqlens")
+    return node.args[index] if len(node.args) > index else node.kwargs.get("cu_seqlens")
 
 
 def _register_autograd_by_recompute(op, fn: Callable) -> None:
@@ -92,12 +101,24 @@ def selective_scan(
     delta_bias: Optional[Tensor],
     delta_softplus: bool,
     initial_state: Optional[Tensor],
+    cu_seqlens: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
-    return ref.selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state)
+    return ref.selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, cu_seqlens)
+
+
+def _check_packed_fake(cu_seqlens, batch, initial_state=None):
+    """Trace-time half of the packing checks (the values are checked when the op runs)."""
+    if cu_seqlens is None:
+        return
+    check_cu_seqlens_layout(cu_seqlens, batch)
+    if initial_state is not None:
+        raise ValueError("packed scans (cu_seqlens) start every sequence from a zero state; "
+                         "initial states are not supported with packing")
 
 
 @selective_scan.register_fake
-def _(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state):
+def _(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, cu_seqlens=None):
+    _check_packed_fake(cu_seqlens, u.shape[0], initial_state)
     bsz, d, _ = u.shape
     # Float32 always: the eager fallback this replaces produces float32.
     return u.new_empty(u.shape, dtype=torch.float32), u.new_empty(
@@ -125,14 +146,16 @@ def ssd_scan(
     dt_softplus: bool,
     dt_min: float,
     dt_max: float,
+    cu_seqlens: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     return ref.ssd_scan(
-        x, dt, A, B, C, chunk_size, D, dt_bias, initial_states, dt_softplus, dt_min, dt_max
+        x, dt, A, B, C, chunk_size, D, dt_bias, initial_states, dt_softplus, dt_min, dt_max, cu_seqlens
     )
 
 
 @ssd_scan.register_fake
-def _(x, dt, A, B, C, chunk_size, D, dt_bias, initial_states, dt_softplus, dt_min, dt_max):
+def _(x, dt, A, B, C, chunk_size, D, dt_bias, initial_states, dt_softplus, dt_min, dt_max, cu_seqlens=None):
+    _check_packed_fake(cu_seqlens, x.shape[0], initial_states)
     bsz, _, h, p = x.shape
     return x.new_empty(x.shape, dtype=torch.float32), x.new_empty(
         (bsz, h, p, B.shape[-1]), dtype=torch.float32
@@ -147,15 +170,20 @@ _register_autograd_by_recompute(ssd_scan, ref.ssd_scan)
 
 @torch.library.custom_op("ssmshard::causal_conv1d", mutates_args=())
 def causal_conv1d(
-    x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: Optional[str]
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    activation: Optional[str],
+    cu_seqlens: Optional[Tensor] = None,
 ) -> Tensor:
-    return ref.causal_conv1d(x, weight, bias, activation)
+    return ref.causal_conv1d(x, weight, bias, activation, cu_seqlens)
 
 
 @causal_conv1d.register_fake
-def _(x, weight, bias, activation):
-    # Validate here too, so a bad activation fails at trace time, not at run time.
+def _(x, weight, bias, activation, cu_seqlens=None):
+    # Validate here too, so a bad activation or packing layout fails at trace time, not at run time.
     ref.check_activation(activation)
+    _check_packed_fake(cu_seqlens, x.shape[0])
     return torch.empty_like(x)
 
 

@@ -67,9 +67,11 @@ class Program:
                  state_specs: list[StateSpec], module_names: dict[str, str],
                  module_types: dict[str, str], capture_device: torch.device,
                  constants: dict[str, torch.Tensor] | None = None, config: Any = None,
-                 ranges: dict[tuple[int, int], tuple[int, float]] | None = None):
+                 ranges: dict[tuple[int, int], tuple[int, float]] | None = None, packed: bool = False):
         self.graph_module = graph_module
         self.mode = mode
+        # Packed forward: user inputs are (input_ids (1, T), cu_seqlens (S+1,)); see packing.py.
+        self.packed = packed
         self.family = family
         self.inputs = inputs
         self.param_specs = param_specs
@@ -91,7 +93,7 @@ class Program:
     # ----------------------------------------------------------------- construction
     @classmethod
     def from_exported(cls, exported, *, mode, family, model, state_specs, capture_device,
-                      wrapper_prefix="") -> "Program":
+                      wrapper_prefix="", packed=False) -> "Program":
         sig = exported.graph_signature
         for spec in sig.output_specs:
             if spec.kind != OutputKind.USER_OUTPUT:
@@ -138,7 +140,7 @@ class Program:
         return cls(gm, mode=mode, family=family, inputs=inputs, param_specs=param_specs,
                    state_specs=state_specs, module_names=module_names, module_types=module_types,
                    capture_device=capture_device, constants=constants, config=getattr(model, "config", None),
-                   ranges=ranges)
+                   ranges=ranges, packed=packed)
 
     # ----------------------------------------------------------------- weights
     def bind(self, model_or_weights) -> "Program":
@@ -221,11 +223,24 @@ class Program:
                  if lo != hi]
         return "; ".join(parts[:4]) + (" ..." if len(parts) > 4 else "")
 
-    def __call__(self, input_ids, states=None, *, attention_mask=None, position_ids=None):
-        """forward: ``logits``; prefill/decode: ``(logits, states)``. Without ``attention_mask``
-        the batch is taken as unpadded (decode: past length read from the key/value states)."""
-        user = [input_ids]
-        if self.mode != "forward":
+    def __call__(self, input_ids, states=None, *, attention_mask=None, position_ids=None, cu_seqlens=None):
+        """forward: ``logits``; prefill/decode: ``(logits, states)``.
+
+        ``input_ids`` may be a :class:`~ssmshard.packing.PackedBatch` (or come with
+        ``cu_seqlens=``) for a packed program; a program captured without packing refuses
+        sequence boundaries rather than run the sequences as one. Prefill/decode take HF
+        generation inputs: without ``attention_mask`` the batch is unpadded (decode: past length
+        read from the key/value states), without ``position_ids`` positions count from the past.
+        """
+        from .packing import packed_call_inputs, refuse_packing_info
+
+        if self.packed:
+            user = list(packed_call_inputs(input_ids, cu_seqlens, position_ids))
+        elif self.mode == "forward":
+            refuse_packing_info(self.mode, input_ids, cu_seqlens, position_ids)
+            user = [input_ids]
+        else:
+            refuse_packing_info(self.mode, input_ids, cu_seqlens)  # positions are an input here
             states = _require_states(states) if self.mode == "decode" else []
             if attention_mask is None:
                 past = self.past_length(states) if self.mode == "decode" else 0
@@ -277,7 +292,8 @@ class Program:
         return block_graph(self)
 
     def __repr__(self):
-        return (f"Program({self.family}, mode={self.mode}, nodes={self.node_count()}, "
+        return (f"Program({self.family}, mode={self.mode}{', packed' if self.packed else ''}, "
+                f"nodes={self.node_count()}, "
                 f"weights={'bound' if self.weights is not None else 'unbound'})")
 
 
@@ -311,6 +327,13 @@ def op_name(node: torch.fx.Node) -> str:
         if namespace and namespace != "aten":
             name = f"{namespace}.{name}"
     return name
+
+
+def source_line(node: torch.fx.Node) -> str:
+    """The model source line a node was traced from (the innermost frame of its stack trace)."""
+    trace = node.meta.get("stack_trace") or ""
+    lines = [l.strip() for l in trace.strip().splitlines() if l.strip().startswith("File")]
+    return lines[-1] if lines else "(no source line recorded)"
 
 
 def _canonicalize(graph: torch.fx.Graph) -> None:

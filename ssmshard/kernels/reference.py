@@ -19,6 +19,13 @@ Dimension letters used in shape comments and einsum strings:
     c  number of chunks
     i  target position inside a chunk
     j  source position inside a chunk
+
+Packed sequences: the scans and ``causal_conv1d`` take an optional ``cu_seqlens`` (int32
+(S+1,) offsets of S sequences laid end to end in a batch-1 row, see ``ssmshard.packing``).
+The chunked algorithms stay as they are and mask by sequence index: a decay from step j to
+step i is kept only when both lie in the same sequence, and a state carried into a chunk
+reaches a step only if no sequence starts between. The result equals running each sequence
+on its own (from a zero state); the returned final state is the last sequence's.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from ..packing import check_cu_seqlens, positions_in_sequence, sequence_ids
 
 # Upper bound on elements of the (b, g, e, i, j, n) decay tensor of selective_scan;
 # several tensors of that size are alive per chunk.
@@ -83,12 +92,13 @@ def selective_scan(
     delta_bias: Optional[Tensor] = None,
     delta_softplus: bool = False,
     initial_state: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None,
     chunk_size: Optional[int] = None,
 ) -> tuple[Tensor, Tensor]:
     """Mamba-1 selective scan (layouts of mamba_ssm's ``selective_scan_fn``).
 
     u, delta, z: (b, d, l); A: (d, n); B, C: (b, n, l) or (b, g, n, l);
-    D, delta_bias: (d,); initial_state: (b, d, n) or None.
+    D, delta_bias: (d,); initial_state: (b, d, n) or None; cu_seqlens: (S+1,) or None (then b == 1).
     Returns (out (b, d, l), final_state (b, d, n)), both float32.
     ``chunk_size`` (not part of the op) fixes the chunk length; by default it
     is chosen to bound memory.
@@ -102,6 +112,7 @@ def selective_scan(
     if d % g != 0:
         raise ValueError(f"channels ({d}) must be a multiple of B/C groups ({g})")
     e = d // g
+    seq = _packed_sequence_ids(cu_seqlens, bsz, l, initial_state)  # (l,) or None
 
     dt = _discretise_dt(delta, delta_bias, delta_softplus, (d, 1))  # (b, d, l)
     # Channel c belongs to group c // e, so splitting d as (g, e) lines channels
@@ -134,19 +145,26 @@ def selective_scan(
         # sums stay small, and masking j > i to -inf before exp means no
         # positive exponent ever reaches exp.
         T_c = dtu_c.shape[-1]
-        causal = torch.ones(T_c, T_c, dtype=torch.bool, device=u.device).tril()[..., None]  # (i, j, 1)
+        causal = torch.ones(T_c, T_c, dtype=torch.bool, device=u.device).tril()  # (i, j)
+        carried_in = from_start.exp()  # (b, g, e, i, n): decay of the carried-in state up to step i
+        if seq is not None:
+            seq_c = seq[span]  # (i,)
+            causal = causal & (seq_c[:, None] == seq_c[None, :])  # (i, j): no sequence start in (j, i]
+            # The carried state belongs to the step before the chunk (chunk 0: the zero state).
+            state_seq = seq[max(start - 1, 0)]
+            carried_in = carried_in * (seq_c == state_seq)[:, None]  # (b, g, e, i, n)
         diff = from_start[..., :, None, :] - from_start[..., None, :, :]  # (b, g, e, i, j, n)
-        decay = diff.masked_fill(~causal, -math.inf).exp()
+        decay = diff.masked_fill(~causal[..., None], -math.inf).exp()
         CB = C_c[..., :, None, :] * B_c[..., None, :, :]  # (b, g, i, j, n)
         # Sum the n axis first: it is the one that makes the tensor big.
         mix = (decay * CB[:, :, None]).sum(-1)  # (b, g, e, i, j)
         y_intra = (mix @ dtu_c[..., None]).squeeze(-1)  # (b, g, e, i)
         # The carried-in state decays by the cumulative log-decay since the chunk start.
-        y_carry = torch.einsum("bgin,bgein,bgen->bgei", C_c, from_start.exp(), state)
+        y_carry = torch.einsum("bgin,bgein,bgen->bgei", C_c, carried_in, state)
         ys.append(y_intra + y_carry)
         # Last row of the decay matrix = decay from each step j to the chunk end.
         to_end = decay[..., -1, :, :]  # (b, g, e, j, n)
-        state = from_start[..., -1, :].exp() * state + torch.einsum(
+        state = carried_in[..., -1, :] * state + torch.einsum(
             "bgejn,bgjn,bgej->bgen", to_end, B_c, dtu_c
         )
 
@@ -171,11 +189,13 @@ def ssd_scan(
     dt_softplus: bool = False,
     dt_min: float = 0.0,
     dt_max: float = math.inf,
+    cu_seqlens: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """Mamba-2 SSD scan (layouts of mamba_ssm's ``mamba_chunk_scan_combined``).
 
     x: (b, l, h, p); dt: (b, l, h); A: (h,); B, C: (b, l, g, n);
-    D: (h,) or (h, p); dt_bias: (h,); initial_states: (b, h, p, n) or None.
+    D: (h,) or (h, p); dt_bias: (h,); initial_states: (b, h, p, n) or None;
+    cu_seqlens: (S+1,) or None (then b == 1).
     dt is always clamped to [dt_min, dt_max] (pass -inf / inf for no clamp).
     Returns (out (b, l, h, p), final_states (b, h, p, n)), both float32.
     """
@@ -184,6 +204,7 @@ def ssd_scan(
     if h % g != 0:
         raise ValueError(f"heads ({h}) must be a multiple of B/C groups ({g})")
     e = h // g
+    seq = _packed_sequence_ids(cu_seqlens, bsz, l, initial_states)  # (l,) or None
 
     dt = _discretise_dt(dt, dt_bias, dt_softplus, (h,)).clamp(dt_min, dt_max)  # (b, l, h)
     T = max(1, min(chunk_size, l))
@@ -203,7 +224,20 @@ def ssd_scan(
     C32 = C32.reshape(bsz, c, T, g, n)  # (b, l, g, n) -> (b, c, i, g, n)
     log_decay = (dt * A.float().reshape(g, e)).permute(0, 3, 4, 1, 2)  # (b, g, e, c, i)
     from_start = log_decay.cumsum(-1)  # (b, g, e, c, i)
-    decay = segsum(log_decay).exp()  # (b, g, e, c, i, j)
+    log_decay_ij = segsum(log_decay)  # (b, g, e, c, i, j)
+    chunk_log_decay = F.pad(from_start[..., -1], (1, 0))  # (b, g, e, c + 1); slot 0: the initial state
+    log_chunk_decay = segsum(chunk_log_decay)  # (b, g, e, c + 1, c + 1)
+    carried_in = from_start.exp()  # (b, g, e, c, i): decay of the state carried into chunk c up to step i
+    if seq is not None:
+        # Padded steps join the last sequence (dt = 0 there: they change nothing).
+        seq = torch.cat([seq, seq[-1:].expand(pad)]).reshape(c, T)  # (l + pad,) -> (c, i)
+        log_decay_ij = log_decay_ij.masked_fill(seq[:, :, None] != seq[:, None, :], -math.inf)
+        # The sequence each carried state belongs to: the initial state (slot 0) the first
+        # sequence's, the state after chunk m that of chunk m's last step.
+        state_seq = torch.cat([seq[:1, 0], seq[:, -1]])  # (c + 1,)
+        log_chunk_decay = log_chunk_decay.masked_fill(state_seq[:, None] != state_seq[None, :], -math.inf)
+        carried_in = carried_in * (seq == state_seq[:-1, None])  # (b, g, e, c, i)
+    decay = log_decay_ij.exp()  # (b, g, e, c, i, j)
 
     # 1. Outputs from inputs of the same chunk: a masked quadratic form.
     CB = torch.einsum("bcign,bcjgn->bgcij", C32, B32)
@@ -220,13 +254,12 @@ def ssd_scan(
     else:
         init = initial_states.float().reshape(bsz, 1, g, e, p, n)  # (b, h, p, n) -> (b, 1, g, e, p, n)
     states = torch.cat([init, chunk_states], dim=1)  # (b, c + 1, g, e, p, n)
-    chunk_log_decay = F.pad(from_start[..., -1], (1, 0))  # (b, g, e, c + 1)
-    chunk_decay = segsum(chunk_log_decay).exp()  # (b, g, e, c + 1, c + 1)
+    chunk_decay = log_chunk_decay.exp()  # (b, g, e, c + 1, c + 1)
     # carried[:, m] is the state after m chunks.
     carried = torch.einsum("bgeij,bjgepn->bigepn", chunk_decay, states)
 
     # 4. Outputs from the state carried into each chunk.
-    y = y + torch.einsum("bcign,bgeci,bcgepn->bcigep", C32, from_start.exp(), carried[:, :-1])
+    y = y + torch.einsum("bcign,bgeci,bcgepn->bcigep", C32, carried_in, carried[:, :-1])
 
     y = y.reshape(bsz, c * T, h, p)[:, :l]  # (b, c, i, g, e, p) -> (b, l, h, p)
     if D is not None:
@@ -258,17 +291,51 @@ def _depthwise_conv(window: Tensor, weight: Tensor, bias: Optional[Tensor], padd
 
 
 def causal_conv1d(
-    x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: Optional[str] = None
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor] = None,
+    activation: Optional[str] = None,
+    cu_seqlens: Optional[Tensor] = None,
 ) -> Tensor:
-    """Depthwise causal conv. x: (b, d, l); weight: (d, k); bias: (d,).
+    """Depthwise causal conv. x: (b, d, l); weight: (d, k); bias: (d,); cu_seqlens: (S+1,) or None.
 
-    Computed in weight's dtype (like an nn.Conv1d layer); returned in x's dtype.
+    Computed in weight's dtype (like an nn.Conv1d layer); returned in x's dtype. With
+    ``cu_seqlens`` (batch 1), taps that would read the previous sequence read zeros instead,
+    as if each sequence were convolved on its own.
     """
     check_activation(activation)
     k, l = weight.shape[-1], x.shape[-1]
-    # Symmetric padding of k - 1; the first l outputs are the causal ones.
-    y = _depthwise_conv(x, weight, bias, padding=k - 1)[..., :l]
+    if cu_seqlens is None:
+        # Symmetric padding of k - 1; the first l outputs are the causal ones.
+        y = _depthwise_conv(x, weight, bias, padding=k - 1)[..., :l]
+    else:
+        y = _packed_depthwise_conv(x, weight, bias, cu_seqlens)
     return _activate(y, activation).to(x.dtype).contiguous()
+
+
+def _packed_depthwise_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor], cu_seqlens: Tensor) -> Tensor:
+    """Causal depthwise conv whose windows stop at sequence starts: (b, d, l) -> (b, d, l)."""
+    check_cu_seqlens(cu_seqlens, x.shape[-1], x.shape[0])
+    k, l = weight.shape[-1], x.shape[-1]
+    # windows[..., t, m] = x[t - (k - 1) + m]: the k inputs output t reads, zeros before the row.
+    windows = F.pad(x.to(weight.dtype), (k - 1, 0)).unfold(-1, k, 1)  # (b, d, l, k)
+    # Tap m reaches back k - 1 - m steps; keep it only if that stays inside t's sequence.
+    reach_back = torch.arange(k - 1, -1, -1, device=x.device)  # (k,)
+    inside = positions_in_sequence(cu_seqlens, l)[:, None] >= reach_back  # (l, k)
+    y = torch.einsum("bdlk,dk->bdl", windows * inside, weight)
+    return y if bias is None else y + bias.to(weight.dtype)[:, None]
+
+
+def _packed_sequence_ids(cu_seqlens: Optional[Tensor], batch: int, length: int,
+                         initial_state: Optional[Tensor]) -> Optional[Tensor]:
+    """(l,) sequence index of every step for a packed scan, or None when not packed."""
+    if cu_seqlens is None:
+        return None
+    check_cu_seqlens(cu_seqlens, length, batch)
+    if initial_state is not None:
+        raise ValueError("a packed scan (cu_seqlens) starts every sequence from a zero state; "
+                         "per-sequence initial states are not supported: pass initial_state=None")
+    return sequence_ids(cu_seqlens, length)
 
 
 def causal_conv1d_update(

@@ -27,6 +27,8 @@ from torch._guards import detect_fake_mode
 
 from ..placement import (PARTIAL, REPLICATE, Partial, Replicate, Segment, Shard, local_shape, normalize,
                          same_data)
+from ..ops import cu_seqlens_arg
+from ..program import source_line
 from .manager import register
 
 aten = torch.ops.aten
@@ -35,12 +37,6 @@ ssm = torch.ops.ssmshard
 
 class ShardingError(RuntimeError):
     """No rule can shard this op with these placements; names the op and the source line."""
-
-
-def _source(node) -> str:
-    trace = node.meta.get("stack_trace") or ""
-    lines = [l.strip() for l in trace.strip().splitlines() if l.strip().startswith("File")]
-    return lines[-1] if lines else "(no source line recorded)"
 
 
 def _shape(node):
@@ -86,7 +82,7 @@ class _Sharder:
     def fail(self, node, why: str):
         shown = ", ".join(f"{a.name}={self.place.get(a)}" for a in node.all_input_nodes)
         raise ShardingError(f"no sharding rule for {node.target} at {node.name} ({why}); inputs: {shown}; "
-                            f"source: {_source(node)}")
+                            f"source: {source_line(node)}")
 
     def _new(self, target, args, like, tags_from=None, val=None):
         node = self.graph.call_function(target, args)
@@ -596,6 +592,7 @@ def _rule_conv(s: _Sharder, node):
     if not (isinstance(p, Shard) and p.dim == 1):
         s.fail(node, "conv channels must be dim 1")
     _same(s, node, Shard(0, p.segments), weight, bias)
+    _same(s, node, REPLICATE, cu_seqlens_arg(node))  # every rank sees every token: same boundaries
     return p
 
 
@@ -617,6 +614,7 @@ def _rule_selective_scan(s: _Sharder, node):
     _same(s, node, Shard(0, p.segments), A, D, delta_bias)
     _same(s, node, REPLICATE, B, C)  # dt, B, C are replicated after x_proj's all-reduce
     _same(s, node, p, initial)
+    _same(s, node, REPLICATE, cu_seqlens_arg(node))
     return (p, p)
 
 
@@ -638,6 +636,7 @@ def _rule_ssd_scan(s: _Sharder, node):
     groups = _hint(_shape(B)[2])
     _same(s, node, _group_placement(heads, groups, 2, s.tp), B, C)
     _same(s, node, Shard(1, p.segments), initial)
+    _same(s, node, REPLICATE, cu_seqlens_arg(node))
     return (p, Shard(1, p.segments))
 
 

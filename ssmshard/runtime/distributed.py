@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
 import torch.distributed as dist
 
 from ..capture import capture
+from ..packing import PackedBatch
 from ..collectives import all_reduce, register_group
 from ..families import build_meta_model
 from ..passes import run_pipeline
@@ -24,12 +26,16 @@ class DistributedModule(torch.nn.Module):
 
     ``forward(input_ids)`` returns the full logits on every rank and is differentiable: each
     local parameter's ``.grad`` is this rank's slice of the unsharded model's gradient.
+    Built with ``parallelize(..., packed=True)`` it also runs packed batches: ``forward`` of a
+    :class:`~ssmshard.packing.PackedBatch` (or ``input_ids`` (1, T) with ``cu_seqlens=``)
+    returns (1, T, vocab) logits, every sequence computed on its own.
     """
 
     def __init__(self, program, weights: dict[str, torch.Tensor], plan: Plan, rank: int, *, model=None,
-                 shard_options=None):
+                 shard_options=None, packed_program=None):
         super().__init__()
         self.program = program
+        self.packed_program = packed_program  # sharded like ``program``, over the same local weights
         self.plan = plan
         self.rank = rank
         self._model = model  # captured again (prefill/decode) on the first generate(); may be on meta
@@ -43,7 +49,13 @@ class DistributedModule(torch.nn.Module):
                 self.register_parameter(name, torch.nn.Parameter(tensor, requires_grad=tensor.requires_grad))
             else:
                 self.register_buffer(name, tensor, persistent=False)
-        program.bind({fqn: getattr(self, name) for fqn, name in self._names.items()})
+        local = {fqn: getattr(self, name) for fqn, name in self._names.items()}
+        program.bind(local)
+        if packed_program is not None:
+            missing = sorted(set(packed_program.param_specs) - set(local))
+            if missing:
+                raise RuntimeError(f"the packed program reads weights the forward program does not: {missing[:3]}")
+            packed_program.bind(local)
 
     def local_weight(self, fqn: str) -> torch.Tensor:
         return getattr(self, self._names[fqn])
@@ -80,10 +92,16 @@ class DistributedModule(torch.nn.Module):
     def _local_weights(self):
         return {fqn: getattr(self, name) for fqn, name in self._names.items()}
 
-    def forward(self, input_ids):
+    def forward(self, input_ids, *, cu_seqlens=None, position_ids=None):
+        program = self.program
+        if isinstance(input_ids, PackedBatch) or cu_seqlens is not None:
+            if self.packed_program is None:
+                raise ValueError("this DistributedModule was built without packing and would run packed "
+                                 "sequences as one: use ssmshard.parallelize(model, plan, packed=True)")
+            program = self.packed_program
         # Re-bind so parameters replaced by .to()/load_state_dict are the ones used.
-        self.program.weights = self._local_weights()
-        return self.program(input_ids)
+        program.weights = self._local_weights()
+        return program(input_ids, cu_seqlens=cu_seqlens, position_ids=position_ids)
 
     # ----------------------------------------------------------------- generation
     def generation_programs(self):
@@ -129,7 +147,7 @@ class DistributedModule(torch.nn.Module):
 
 
 def parallelize(model, plan: Plan, *, group=None, device_mesh=None, checkpoint=None, device=None,
-                progress: bool = True) -> DistributedModule:
+                progress: bool = True, packed: bool = False) -> DistributedModule:
     """Shard ``model`` for this process's rank of ``group`` (default: the world).
 
     ``device_mesh``: a 1-D ``DeviceMesh`` whose ranks form the tensor-parallel group (instead
@@ -144,8 +162,12 @@ def parallelize(model, plan: Plan, *, group=None, device_mesh=None, checkpoint=N
     collective call: an impossible split raises :class:`~ssmshard.plan.PlanError`, a missing
     key or mismatched shape :class:`~ssmshard.runtime.checkpoint.CheckpointError`, in every
     process at once.
+    ``packed=True`` also captures and shards the packed forward program, so ``forward`` accepts
+    packed batches (:func:`ssmshard.pack`).
     """
     program = capture(model, mode="forward")
+    # Captured before any process-group work too: a model packing cannot serve fails here.
+    packed_program = capture(model, mode="forward", packed=True) if packed else None
     placements = plan.layout(program, model)  # PlanError here, before any process-group work
     source = keys = None
     if checkpoint is not None:
@@ -162,13 +184,19 @@ def parallelize(model, plan: Plan, *, group=None, device_mesh=None, checkpoint=N
     register_group(name, group)
     options = {"rank": rank, "tp": plan.tp, "group": name, "training": plan.training}
     program = run_pipeline(program, [("shard", {**options, "placements": placements}), "collectives"])
+    if packed_program is not None:
+        # The same placements: both programs read one set of local weights.
+        packed_program = run_pipeline(packed_program, [("shard", {**options, "placements": placements}),
+                                                       "collectives"])
+    module = functools.partial(DistributedModule, plan=plan, rank=rank, model=model, shard_options=options,
+                               packed_program=packed_program)
     if source is not None:
         if device is None:
             nccl = dist.get_backend(group) == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         weights = read_local_weights(program, placements, model, source, keys, rank, device=device,
                                      progress=progress and rank == 0)
-        return DistributedModule(program, weights, plan, rank, model=model, shard_options=options)
+        return module(program, weights)
     named = dict(model.named_parameters(remove_duplicate=False))
     named.update(model.named_buffers(remove_duplicate=False))
     weights = {}
@@ -176,7 +204,7 @@ def parallelize(model, plan: Plan, *, group=None, device_mesh=None, checkpoint=N
         full = named.get(fqn, program.constants.get(fqn))
         local = _local_part(full.detach(), placements.get(fqn), rank)
         weights[fqn] = local.clone().requires_grad_(spec.kind == "parameter" and full.requires_grad)
-    return DistributedModule(program, weights, plan, rank, model=model, shard_options=options)
+    return module(program, weights)
 
 
 def _local_part(tensor, placement, rank):
