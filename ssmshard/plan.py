@@ -16,6 +16,8 @@ import dataclasses
 import fnmatch
 from typing import Callable
 
+import torch
+
 from .placement import REPLICATE, Placement, Segment, Shard, even
 
 
@@ -78,10 +80,23 @@ class Plan:
     vocab_parallel: bool = True
     rules: list[Rule] = dataclasses.field(default_factory=list)
     training: bool = True  # insert the backward all-reduces (identity in forward)
+    # SSM kernels: "auto" (Triton on CUDA weights, the torch reference otherwise), "triton", "reference"
+    kernels: str = "auto"
 
     def __post_init__(self):
         if not isinstance(self.tp, int) or self.tp < 1:
             raise PlanError(f"tp must be a positive integer, got {self.tp!r}")
+        if self.kernels not in ("auto", "triton", "reference"):
+            raise PlanError(f"kernels must be 'auto', 'triton' or 'reference', got {self.kernels!r}")
+
+    def kernel_choice(self, device: torch.device) -> str:
+        """"triton" or "reference" for weights on ``device``; Triton needs CUDA tensors."""
+        if self.kernels == "triton" and device.type != "cuda":
+            raise PlanError(f"Plan(kernels='triton') needs the weights on a CUDA device, not {device}; "
+                            "use kernels='auto' or 'reference' on the CPU")
+        if self.kernels == "auto":
+            return "triton" if device.type == "cuda" else "reference"
+        return self.kernels
 
     def all_rules(self) -> list[Rule]:
         return _defaults(self.vocab_parallel) + list(self.rules)

@@ -139,8 +139,8 @@ def test_torchrun_example_with_a_checkpoint(tmp_path):
                os.path.join(ROOT, "examples", "torchrun_forward.py"), "--checkpoint", directory]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    lines = [line for line in done.stdout.splitlines() if "relative error" in line]
-    assert len(lines) == TP and all("MambaForCausalLM" in line for line in lines), done.stdout
+    # Ranks print concurrently, so two reports can share a line: count them, not lines.
+    assert done.stdout.count("MambaForCausalLM: max |diff|") == TP, done.stdout
 
 
 # ------------------------------------------------------------------ in one process, no capture

@@ -144,4 +144,4 @@ def test_bucket_siblings_replay_the_pipeline(scoped_pass, fresh_seed):
     (sibling,) = prefill.siblings
     assert [h["pass"] for h in sibling.history] == ["tag", "double_then_halve"]
     with torch.no_grad():
-        assert rel_err(logits, model(ids).logits) < 1e-5
+        assert rel_err(logits, model(ids).logits[:, -1:]) < 1e-5  # prefill returns the last position

@@ -231,7 +231,10 @@ def _make_local(node, placement):
     """Give a sharded placeholder its local shape (the graph's fake value)."""
     val = node.meta["val"]
     with detect_fake_mode([val]):
-        node.meta["val"] = torch.empty(local_shape(val.shape, placement), dtype=val.dtype, device=val.device)
+        local = torch.empty(local_shape(val.shape, placement), dtype=val.dtype, device=val.device)
+    # Keep requires_grad: at::matmul folds a 3-D input into one mm only for weights that need
+    # grad like the parameter did, and its other path cannot run on symbolic sizes (CUDA).
+    node.meta["val"] = local.requires_grad_(val.requires_grad) if val.is_floating_point() else local
 
 
 # ---------------------------------------------------------------------- rules

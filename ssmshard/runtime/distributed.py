@@ -182,18 +182,19 @@ def parallelize(model, plan: Plan, *, group=None, device_mesh=None, checkpoint=N
         raise PlanError(f"Plan(tp={plan.tp}) but the process group has {world} ranks; set tp={world}")
     name = f"ssmshard_tp{next(_group_ids)}"
     register_group(name, group)
-    options = {"rank": rank, "tp": plan.tp, "group": name, "training": plan.training}
-    program = run_pipeline(program, [("shard", {**options, "placements": placements}), "collectives"])
+    if source is not None and device is None:
+        nccl = dist.get_backend(group) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    weights_device = device if source is not None else next(model.parameters()).device
+    options = {"rank": rank, "tp": plan.tp, "group": name, "training": plan.training,
+               "kernels": plan.kernel_choice(torch.device(weights_device))}
+    program = run_pipeline(program, _passes(options, placements))
     if packed_program is not None:
         # The same placements: both programs read one set of local weights.
-        packed_program = run_pipeline(packed_program, [("shard", {**options, "placements": placements}),
-                                                       "collectives"])
+        packed_program = run_pipeline(packed_program, _passes(options, placements))
     module = functools.partial(DistributedModule, plan=plan, rank=rank, model=model, shard_options=options,
                                packed_program=packed_program)
     if source is not None:
-        if device is None:
-            nccl = dist.get_backend(group) == "nccl"
-            device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         weights = read_local_weights(program, placements, model, source, keys, rank, device=device,
                                      progress=progress and rank == 0)
         return module(program, weights)
@@ -211,9 +212,16 @@ def _local_part(tensor, placement, rank):
     return local_slice(tensor, placement, rank) if isinstance(placement, Shard) else tensor
 
 
+def _passes(options, placements):
+    """The pass pipeline of every program of a DistributedModule."""
+    pipeline = [("shard", {**options, "placements": placements}), "collectives"]
+    if options["kernels"] == "triton":
+        pipeline.append(("swap_kernels", {"kernels": "triton"}))
+    return pipeline
+
+
 def _sharded(program, model, plan, options):
-    placements = plan.layout(program, model)
-    return run_pipeline(program, [("shard", {**options, "placements": placements}), "collectives"])
+    return run_pipeline(program, _passes(options, plan.layout(program, model)))
 
 
 def _group_of(program):
