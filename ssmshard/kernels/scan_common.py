@@ -1,0 +1,119 @@
+"""Triton helpers shared by the selective-scan forward and backward kernels.
+
+Dimension letters: d channels, n SSM state size, T tokens of one tile, S packed sequences.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+# torch.nn.functional.softplus returns x itself above this threshold.
+SOFTPLUS_THRESHOLD = tl.constexpr(20.0)
+
+
+@triton.jit
+def linear_recurrence_combine(a_first, x_first, a_second, x_second):
+    # (a, x) stands for the affine map h -> a * h + x. Applying "first" then "second" gives
+    # h -> a_second * (a_first * h + x_first) + x_second. For a reverse scan Triton passes the
+    # later (already accumulated) element as "first", which gives lam_t = x_t + a_t * lam_{t+1}.
+    return a_first * a_second, x_first * a_second + x_second
+
+
+@triton.jit
+def discretise(delta, bias, SOFTPLUS: tl.constexpr):
+    dt = delta + bias
+    if SOFTPLUS:
+        dt = tl.where(dt > SOFTPLUS_THRESHOLD, dt, tl.log(1.0 + tl.exp(dt)))
+    return dt
+
+
+@triton.jit
+def column(tile, cols, i):
+    """Column i of a (rows, cols) register tile, as a (rows,) vector.
+
+    The fill is -0.0, the additive identity (x + -0.0 == x for every x, -0.0 included): when
+    the columns live in one thread and i is a compile-time constant, the compiler folds the
+    whole sum away and the extraction costs nothing.
+    """
+    return tl.sum(tl.where(cols[None, :] == i, tile, -0.0), axis=1)
+
+
+@triton.jit
+def set_column(tile, cols, i, values):
+    return tl.where(cols[None, :] == i, values[:, None], tile)
+
+
+@triton.jit
+def load_state_tile(rows, s_n, mask, n, cols, BLOCK_D: tl.constexpr, N_PAD: tl.constexpr):
+    """Load a (channels, n) fp32 tile one state index at a time: ``rows`` points at index 0 of
+    each channel, ``s_n`` steps between indices. A 2-D load would bring its own register
+    layout, and the layout engine may then impose it on the whole scan loop."""
+    tile = tl.zeros((BLOCK_D, N_PAD), dtype=tl.float32)
+    for i in range(n):
+        tile = set_column(tile, cols, i, tl.load(rows + i * s_n, mask=mask, other=0.0).to(tl.float32))
+    return tile
+
+
+@triton.jit
+def store_state_tile(rows, s_n, mask, tile, n, cols):
+    """Store a (channels, n) tile one state index at a time (see load_state_tile)."""
+    for i in range(n):
+        tl.store(rows + i * s_n, column(tile, cols, i), mask=mask)
+
+
+@triton.jit
+def set_row(tile, rows, i, values):
+    return tl.where(rows[:, None] == i, values[None, :], tile)
+
+
+@triton.jit
+def boundaries(seq_ptr, t, l, PACKED: tl.constexpr):
+    """Which tokens t start / end a sequence, and the sequence each belongs to.
+
+    Tokens past l are neither. Without packing there is one sequence per batch row and the
+    returned index is 0 (callers add the batch row).
+    """
+    valid = t < l
+    if PACKED:
+        seq = tl.load(seq_ptr + t, mask=valid, other=-1)
+        prev = tl.load(seq_ptr + t - 1, mask=valid & (t > 0), other=-1)
+        nxt = tl.load(seq_ptr + t + 1, mask=(t + 1) < l, other=-1)
+        is_start = valid & (seq != prev)
+        is_end = valid & (seq != nxt)
+    else:
+        seq = tl.zeros(t.shape, dtype=tl.int32)
+        is_start = t == 0
+        is_end = t == l - 1
+    return seq, is_start, is_end
+
+
+@triton.jit
+def any_true(flags):
+    return tl.max(flags.to(tl.int32), axis=0) > 0
+
+
+@triton.jit
+def per_sequence_ptrs(base, seq64, ch64, s_seq, s_ch, offset):
+    # (channels, T) pointers into a (sequences, d, n) state tensor: the sequence of each token.
+    # Built only inside the branches that need them, so no 64-bit tile stays live in a loop.
+    return base + seq64[None, :] * s_seq + ch64[:, None] * s_ch + offset
+
+
+@triton.jit
+def restart_at_sequence_starts(decay, x, is_start, has_start, init_ptr, seq64, ch64, ch_mask,
+                               si_s, si_d, init_offset, HAS_INIT: tl.constexpr):
+    """Packed sequences: cut the recurrence at sequence starts. The decay there becomes 0
+    (nothing carried in) and the sequence's initial state, decayed by one step, joins the
+    input. (Unpacked rows need none of this: their initial state is simply the state the
+    scan starts from.)"""
+    decay_eff = tl.where(is_start[None, :], 0.0, decay)
+    x_eff = x
+    if HAS_INIT:
+        if has_start:
+            init_ptrs = per_sequence_ptrs(init_ptr, seq64, ch64, si_s, si_d, init_offset)
+            init_mask = ch_mask[:, None] & is_start[None, :]
+            init = tl.load(init_ptrs, mask=init_mask, other=0.0).to(tl.float32)
+            x_eff = x + decay * init
+    return decay_eff, x_eff

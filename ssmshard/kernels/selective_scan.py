@@ -1,0 +1,383 @@
+"""Mamba-1 selective scan on Triton kernels: public functions, launch configuration and the
+autograd Function. The kernels are in ``selective_scan_fwd`` and ``selective_scan_bwd``.
+
+Dimension letters: b batch, d channels, l tokens, n state size, g groups of B / C,
+e channels per group (d // g), S packed sequences, G segments of the sequence,
+K checkpoint chunks (ceil(l / chunk)).
+
+Semantics (per channel c and state index i, A < 0):
+    dt_t = softplus(delta_t + bias)          (or delta_t + bias)
+    h_t  = exp(dt_t * A) * h_{t-1} + dt_t * u_t * B_t,   h_{-1} = initial state (or 0)
+    y_t  = sum_i C_t * h_t  (+ D * u_t),  times silu(z_t) if z is given.
+With ``cu_seqlens`` (packed sequences) the state restarts at every sequence start, from that
+sequence's initial state or 0, so nothing crosses a boundary, forward or backward.
+
+Bytes and passes (bf16, B=8, d=5120, L=2048, N=16). The forward reads u, delta, z once and
+writes y once: 4 * 168 MB = 671 MB, 0.16 ms at the 4.25 TB/s copy roofline. Its arithmetic
+is b*d*l*n = 1.34 G exp2 (~0.32 ms on the SFUs) plus ~4 FP32 instructions each, so the scan
+is compute bound and the design goal is one pass with no arithmetic beyond that; see
+``selective_scan_fwd`` for the layout that gets there and for the sequence segments used
+when b * d is too small to fill the GPU (B=1: one extra exp2 per element for G-fold
+parallelism). When gradients are needed the forward also writes the state at every chunk
+start (b*d*n*l*4/chunk bytes: 84 MB at chunk=64, 13% more traffic). The backward reads
+u, delta, z, dy and the checkpoints and writes du, ddelta, dz once (1.17 GB) plus the dB/dC
+block partials (8*b*n*l bytes per channel block: 168 MB at 16-channel blocks), which torch
+then sums.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+from torch import Tensor
+
+from ssmshard.kernels.selective_scan_bwd import scan_bwd_kernel
+from ssmshard.kernels.selective_scan_fwd import scan_fwd_kernel, segment_carry_kernel
+
+
+# --- launch configuration ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ScanConfig:
+    """Launch shapes. ``chunk`` (tokens) is the checkpoint spacing, shared by the forward and
+    the backward tile. ``segments``: 0 lets ``default_config`` pick; 1 disables the split."""
+
+    chunk: int = 64
+    fwd_warps: int = 1
+    segments: int = 1
+    bwd_block_d: int = 16
+    bwd_warps: int = 4
+    unroll_n_max: int = 16  # unroll the state-index loop when n <= this
+    # Channels per forward program. The layout wants one per thread (None: 32 * fwd_warps);
+    # smaller blocks are for the CPU interpreter, where masked lanes cost real time.
+    fwd_block_d: Optional[int] = None
+
+    @property
+    def fwd_channels(self) -> int:
+        return self.fwd_block_d or 32 * self.fwd_warps
+
+    def __post_init__(self):
+        for name in ("chunk", "fwd_warps", "bwd_block_d", "bwd_warps", "fwd_channels"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"ScanConfig.{name} must be a power of two, got {value}")
+        if self.chunk < 8:
+            raise ValueError(f"ScanConfig.chunk must be at least 8 tokens, got {self.chunk}")
+        if self.segments < 1:
+            raise ValueError(f"ScanConfig.segments must be >= 1, got {self.segments}")
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1
+
+
+# Warps per SM the forward aims for before it splits the sequence into segments.
+_FWD_WARPS_PER_SM = 8
+_MIN_SEGMENT_TOKENS = 256
+
+
+def default_config(b: int, d: int, l: int, device: torch.device) -> ScanConfig:
+    """The forward runs one channel per thread: b * d / 32 warps. Below ~8 warps per SM the
+    sequence is split into segments (each >= 256 tokens) to make up the difference."""
+    cfg = ScanConfig()
+    warps = b * triton.cdiv(d, 32)
+    wanted = triton.cdiv(_FWD_WARPS_PER_SM * _sm_count(device), warps)
+    segments = max(1, min(wanted, l // _MIN_SEGMENT_TOKENS))
+    return ScanConfig(segments=segments)
+
+
+# --- argument checks ---------------------------------------------------------------------
+
+
+def _check_scan_args(u, delta, A, B, C, D, z, delta_bias, cu_seqlens, initial_state):
+    if u.dim() != 3:
+        raise ValueError(f"u must be (b, d, l), got shape {tuple(u.shape)}")
+    bsz, d, l = u.shape
+    for name, t in (("delta", delta), ("z", z)):
+        if t is not None and t.shape != u.shape:
+            raise ValueError(f"{name} must have u's shape {tuple(u.shape)}, got {tuple(t.shape)}")
+    if A.dim() != 2 or A.shape[0] != d:
+        raise ValueError(f"A must be (d={d}, n), got shape {tuple(A.shape)}")
+    if A.is_complex():
+        raise ValueError("complex A is not supported: pass a real (d, n) A")
+    n = A.shape[1]
+    for name, t in (("B", B), ("C", C)):
+        if t.dim() not in (3, 4) or t.shape[0] != bsz or t.shape[-2:] != (n, l):
+            raise ValueError(
+                f"{name} must be (b={bsz}, n={n}, l={l}) or (b, g, n, l), got {tuple(t.shape)}"
+            )
+    if B.shape != C.shape:
+        raise ValueError(f"B and C must have one shape, got {tuple(B.shape)} and {tuple(C.shape)}")
+    g = B.shape[1] if B.dim() == 4 else 1
+    if d % g:
+        raise ValueError(f"channels ({d}) must be a multiple of B/C groups ({g})")
+    for name, t in (("D", D), ("delta_bias", delta_bias)):
+        if t is not None and t.shape != (d,):
+            raise ValueError(f"{name} must be (d={d},), got {tuple(t.shape)}")
+    for name, t in (("u", u), ("delta", delta), ("A", A), ("B", B), ("C", C), ("D", D), ("z", z),
+                    ("delta_bias", delta_bias), ("initial_state", initial_state)):
+        if t is not None and not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+        if t is not None and t.device != u.device:
+            raise ValueError(f"{name} is on {t.device}, u on {u.device}: move them to one device")
+    num_seqs = bsz
+    if cu_seqlens is not None:
+        if bsz != 1:
+            raise ValueError(f"with cu_seqlens the sequences are packed along l, so b must be 1, got {bsz}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype != torch.int32:
+            raise ValueError(
+                f"cu_seqlens must be an int32 (S + 1,) tensor of offsets, got {cu_seqlens.dtype} "
+                f"{tuple(cu_seqlens.shape)}"
+            )
+        num_seqs = cu_seqlens.numel() - 1
+        _check_offsets(cu_seqlens, l)
+    if initial_state is not None and initial_state.shape != (num_seqs, d, n):
+        what = "S" if cu_seqlens is not None else "b"
+        raise ValueError(
+            f"initial_state must be ({what}={num_seqs}, d={d}, n={n}), got {tuple(initial_state.shape)}"
+        )
+    return bsz, d, l, n, g, num_seqs
+
+
+def _check_offsets(cu_seqlens: Tensor, l: int) -> None:
+    # Reading the offsets costs a device sync; skip it while a CUDA graph is being captured.
+    if cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    offsets = cu_seqlens.tolist()
+    if offsets[0] != 0 or offsets[-1] != l or any(b < a for a, b in zip(offsets, offsets[1:])):
+        raise ValueError(
+            f"cu_seqlens must rise from 0 to l={l} without decreasing, got {offsets[:8]}"
+            f"{'...' if len(offsets) > 8 else ''} (last {offsets[-1]})"
+        )
+
+
+def _sequence_index(cu_seqlens: Tensor, l: int) -> Tensor:
+    # seq[t] = s for cu_seqlens[s] <= t < cu_seqlens[s + 1]; empty sequences own no token.
+    tokens = torch.arange(l, device=cu_seqlens.device, dtype=torch.int32)
+    return torch.searchsorted(cu_seqlens[1:].contiguous(), tokens, right=True).to(torch.int32)
+
+
+# --- launches ---------------------------------------------------------------------------
+
+
+def _bc4(t: Tensor) -> Tensor:
+    return t if t.dim() == 4 else t.unsqueeze(1)  # (b, n, l) -> (b, 1, n, l)
+
+
+def _fp32_rows(t: Tensor) -> Tensor:
+    # The kernels read B and C as fp32 with unit stride along l (b * g * n * l values: cheap).
+    return t.to(torch.float32).contiguous()
+
+
+def _state_strides(t: Optional[Tensor]) -> tuple[int, int, int]:
+    return tuple(t.stride()) if t is not None else (0, 0, 0)
+
+
+def _tokens_per_step(*tensors: Optional[Tensor]) -> int:
+    # One 16-byte vector of the widest of the per-token tensors.
+    return 16 // max(t.element_size() for t in tensors if t is not None)
+
+
+def _static_n(n: int, cfg: ScanConfig) -> int:
+    return n if n <= cfg.unroll_n_max else 0
+
+
+def _segments(l: int, cfg: ScanConfig) -> tuple[int, int]:
+    """(number of segments, tokens per segment); segments are whole checkpoint chunks."""
+    seg_len = triton.cdiv(triton.cdiv(l, cfg.segments), cfg.chunk) * cfg.chunk
+    return triton.cdiv(l, seg_len), seg_len
+
+
+def _launch_forward(u, delta, A, B32, C32, D, z, delta_bias, softplus, seq_idx, initial_state,
+                    final, ckpt, y, cfg: ScanConfig):
+    bsz, d, l = u.shape
+    g, n = B32.shape[1], A.shape[1]
+    e = d // g
+    block_d = cfg.fwd_channels
+    num_segments, seg_len = _segments(l, cfg)
+    dummy = y  # stands in for absent operands; never read
+    opt = lambda t: t if t is not None else dummy  # noqa: E731
+    zs = z.stride() if z is not None else (0, 0, 0)
+
+    def launch(carry, seg_end, seg_decay, with_output):
+        scan_fwd_kernel[(g * triton.cdiv(e, block_d), bsz, num_segments)](
+            u, delta, A, B32, C32, opt(D), opt(z), opt(delta_bias), opt(seq_idx), opt(initial_state),
+            y, opt(final), opt(ckpt), opt(carry), opt(seg_end), opt(seg_decay),
+            d, l, e, n, seg_len, cfg.chunk,
+            *u.stride(), *delta.stride(), *A.stride(), *B32.stride()[:3], *C32.stride()[:3], *zs,
+            *y.stride(), *_state_strides(initial_state), *_state_strides(final),
+            HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
+            SOFTPLUS=softplus, PACKED=seq_idx is not None, HAS_INIT=initial_state is not None,
+            STORE_FINAL=with_output and final is not None,
+            STORE_CKPT=with_output and ckpt is not None, WITH_OUTPUT=with_output,
+            HAS_CARRY=carry is not None,
+            BLOCK_D=block_d, V=_tokens_per_step(u, delta, z, y), N_PAD=triton.next_power_of_2(n),
+            N_STATIC=_static_n(n, cfg), num_warps=cfg.fwd_warps,
+        )
+
+    carry = None
+    if num_segments > 1:
+        # Pass 1: each segment from a zero state; then each segment's true starting state.
+        seg_end, seg_decay, carry = (
+            torch.empty(bsz, num_segments, n, d, device=u.device, dtype=torch.float32) for _ in range(3)
+        )
+        launch(None, seg_end, seg_decay, with_output=False)
+        block = 1024
+        segment_carry_kernel[(triton.cdiv(n * d, block), bsz)](
+            seg_end, seg_decay, carry, num_segments, n * d, BLOCK=block
+        )
+    launch(carry, None, None, with_output=True)
+
+
+def _new_states(num_seqs, d, n, like: Tensor, initial_state: Optional[Tensor]) -> Tensor:
+    # Sequences with no token keep their initial state (or 0): the kernel never writes them.
+    if initial_state is not None:
+        return initial_state.detach().to(torch.float32).clone()
+    return torch.zeros(num_seqs, d, n, device=like.device, dtype=torch.float32)
+
+
+def _forward(u, delta, A, B, C, D, z, delta_bias, softplus, cu_seqlens, initial_state,
+             return_final_state, out_dtype, cfg, keep_checkpoints):
+    bsz, d, l, n, g, num_seqs = _check_scan_args(u, delta, A, B, C, D, z, delta_bias, cu_seqlens,
+                                                 initial_state)
+    seq_idx = _sequence_index(cu_seqlens, l) if cu_seqlens is not None else None
+    y = torch.empty(bsz, d, l, device=u.device, dtype=out_dtype or u.dtype)
+    final = _new_states(num_seqs, d, n, u, initial_state) if return_final_state else None
+    ckpt = None
+    if keep_checkpoints:
+        ckpt = torch.empty(bsz, triton.cdiv(l, cfg.chunk), n, d, device=u.device, dtype=torch.float32)
+    _launch_forward(u, delta, A.float(), _fp32_rows(_bc4(B)), _fp32_rows(_bc4(C)), D, z, delta_bias,
+                    softplus, seq_idx, initial_state, final, ckpt, y, cfg)
+    return y, final, seq_idx, ckpt
+
+
+class _SelectiveScanFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, u, delta, A, B, C, D, z, delta_bias, initial_state, softplus, cu_seqlens,
+                return_final_state, out_dtype, cfg):
+        y, final, seq_idx, ckpt = _forward(u, delta, A, B, C, D, z, delta_bias, softplus, cu_seqlens,
+                                           initial_state, return_final_state, out_dtype, cfg, True)
+        ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, seq_idx, ckpt)
+        ctx.softplus, ctx.cfg = softplus, cfg
+        return (y, final) if return_final_state else y
+
+    @staticmethod
+    def backward(ctx, dy, dfinal=None):
+        u, delta, A, B, C, D, z, delta_bias, initial_state, seq_idx, ckpt = ctx.saved_tensors
+        grads = _backward(u, delta, A, B, C, D, z, delta_bias, initial_state, seq_idx, ckpt,
+                          dy, dfinal, ctx.softplus, ctx.cfg)
+        needed = ctx.needs_input_grad
+        return tuple(gr if needed[i] else None for i, gr in enumerate(grads)) + (None,) * 5
+
+
+def _backward(u, delta, A, B, C, D, z, delta_bias, initial_state, seq_idx, ckpt, dy, dfinal,
+              softplus, cfg: ScanConfig):
+    bsz, d, l = u.shape
+    B32, C32 = _fp32_rows(_bc4(B)), _fp32_rows(_bc4(C))
+    A32 = A.float()
+    g, n = B32.shape[1], A.shape[1]
+    e = d // g
+    num_seqs = initial_state.shape[0] if initial_state is not None else bsz
+    if dy is None:
+        dy = torch.zeros((), device=u.device, dtype=u.dtype).expand(bsz, d, l)
+    blocks_per_group = triton.cdiv(e, cfg.bwd_block_d)
+    f32 = dict(device=u.device, dtype=torch.float32)
+    du = torch.empty(bsz, d, l, device=u.device, dtype=u.dtype)
+    ddelta = torch.empty(bsz, d, l, device=u.device, dtype=delta.dtype)
+    dz = torch.empty(bsz, d, l, device=u.device, dtype=z.dtype) if z is not None else None
+    dB_part = torch.empty(bsz, g, blocks_per_group, n, l, **f32)
+    dC_part = torch.empty(bsz, g, blocks_per_group, n, l, **f32)
+    dA_part = torch.empty(bsz, d, n, **f32)
+    dD_part = torch.empty(bsz, d, **f32)
+    dbias_part = torch.empty(bsz, d, **f32)
+    dinit = None
+    if initial_state is not None:
+        # A sequence with no token passes its final-state gradient straight to its initial state.
+        dinit = dfinal.float().clone() if dfinal is not None else torch.zeros(num_seqs, d, n, **f32)
+    dummy = du
+    opt = lambda t: t if t is not None else dummy  # noqa: E731
+    scan_bwd_kernel[(g * blocks_per_group, bsz)](
+        u, delta, A32, B32, C32, opt(D), opt(z), opt(delta_bias), opt(seq_idx), opt(initial_state),
+        dy, opt(dfinal), ckpt,
+        du, ddelta, opt(dz), dB_part, dC_part, dA_part, dD_part, dbias_part, opt(dinit),
+        d, l, e, n, ckpt.shape[1], blocks_per_group,
+        *u.stride(), *delta.stride(), *A32.stride(), *B32.stride()[:3], *C32.stride()[:3],
+        *(z.stride() if z is not None else (0, 0, 0)), *dy.stride(),
+        *_state_strides(initial_state), *_state_strides(dfinal),
+        HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
+        SOFTPLUS=softplus, PACKED=seq_idx is not None, HAS_INIT=initial_state is not None,
+        HAS_DFINAL=dfinal is not None,
+        BLOCK_D=cfg.bwd_block_d, T=cfg.chunk, N_PAD=triton.next_power_of_2(n),
+        N_STATIC=_static_n(n, cfg), num_warps=cfg.bwd_warps,
+    )
+    dB = dB_part.sum(2)  # (b, g, blocks, n, l) -> (b, g, n, l)
+    dC = dC_part.sum(2)
+    if B.dim() == 3:
+        dB, dC = dB.squeeze(1), dC.squeeze(1)  # (b, 1, n, l) -> (b, n, l)
+    return (
+        du,
+        ddelta,
+        dA_part.sum(0).to(A.dtype),
+        dB.to(B.dtype),
+        dC.to(C.dtype),
+        dD_part.sum(0).to(D.dtype) if D is not None else None,
+        dz,
+        dbias_part.sum(0).to(delta_bias.dtype) if delta_bias is not None else None,
+        dinit.to(initial_state.dtype) if dinit is not None else None,
+    )
+
+
+# --- public functions ------------------------------------------------------------------------
+
+
+def selective_scan(
+    u: Tensor,
+    delta: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Optional[Tensor] = None,
+    z: Optional[Tensor] = None,
+    delta_bias: Optional[Tensor] = None,
+    delta_softplus: bool = False,
+    *,
+    cu_seqlens: Optional[Tensor] = None,
+    initial_state: Optional[Tensor] = None,
+    return_final_state: bool = False,
+    out_dtype: Optional[torch.dtype] = None,
+    config: Optional[ScanConfig] = None,
+):
+    """Mamba-1 selective scan on Triton kernels (layouts of mamba_ssm's ``selective_scan_fn``).
+
+    u, delta, z: (b, d, l), any float dtype; A: (d, n) real; B, C: (b, n, l) or (b, g, n, l)
+    (channel c reads group c // (d // g)); D, delta_bias: (d,). All arithmetic is fp32.
+    cu_seqlens: int32 (S + 1,) offsets of packed sequences along l (then b must be 1); the
+    state restarts at every sequence start. initial_state: (b, d, n), or (S, d, n) with
+    cu_seqlens. Returns y (b, d, l) in ``out_dtype`` (default u's dtype, as mamba_ssm; pass
+    torch.float32 for what ``torch.ops.ssmshard.selective_scan`` returns), and with
+    ``return_final_state`` also the final states (b or S, d, n) fp32.
+    Differentiable in every tensor argument; the backward is a Triton kernel too.
+    """
+    cfg = config or default_config(u.shape[0], u.shape[1], u.shape[-1], u.device)
+    tensors = (u, delta, A, B, C, D, z, delta_bias, initial_state)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return _SelectiveScanFn.apply(u, delta, A, B, C, D, z, delta_bias, initial_state,
+                                      delta_softplus, cu_seqlens, return_final_state, out_dtype, cfg)
+    y, final, _, _ = _forward(u, delta, A, B, C, D, z, delta_bias, delta_softplus, cu_seqlens,
+                              initial_state, return_final_state, out_dtype, cfg, False)
+    return (y, final) if return_final_state else y
+
+
+def selective_scan_as_op(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, *,
+                         config: Optional[ScanConfig] = None):
+    """Drop-in for ``torch.ops.ssmshard.selective_scan`` (same arguments, same outputs:
+    (y, final_state), both fp32), for the kernel-swap pass."""
+    return selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus,
+                          initial_state=initial_state, return_final_state=True,
+                          out_dtype=torch.float32, config=config)

@@ -1,0 +1,161 @@
+"""One-token decode step of a selective SSM (Mamba-1 and Mamba-2 layouts) as a Triton kernel.
+
+Dimension letters: b batch, h heads, p head dim, n state size, g groups of B / C,
+d channels (Mamba-1), e channels per group (d // g).
+
+Semantics: those of ``ssmshard.kernels.reference.selective_state_update``:
+    dt'  = softplus(dt + dt_bias)             (or dt + dt_bias)
+    new  = state * exp(dt' * A) + dt' * x * B   (B, C of the head's group)
+    out  = sum_n new * C (+ D * x), times silu(z) if z is given
+math in fp32, out in x's dtype, the new state in state's dtype. Mamba-1 (state (b, d, n)) is
+run as the Mamba-2 layout with one head per B/C group (h = g, p = d // g).
+
+``out_state`` receives the new state in place (preallocated buffers, CUDA-graph decode);
+``out_state=state`` is safe: every program reads its whole (p-block, n) tile of the state
+before writing the same tile, element by element in the same thread.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ssmshard.kernels.scan_common import discretise
+
+
+@triton.jit
+def _state_update_kernel(
+    state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, out_ptr, new_ptr,
+    p, n, heads_per_group,
+    ss_b, ss_h, ss_p, ss_n,
+    sx_b, sx_h, sx_p,
+    sdt_b, sdt_h, sdt_p,
+    sA_h, sA_p, sA_n,
+    sB_b, sB_g, sB_n,
+    sC_b, sC_g, sC_n,
+    sD_h, sD_p,
+    sz_b, sz_h, sz_p,
+    sbias_h, sbias_p,
+    so_b, so_h, so_p,
+    sn_b, sn_h, sn_p, sn_n,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+    BLOCK_P: tl.constexpr, N_PAD: tl.constexpr,
+):
+    pid_p = tl.program_id(0)
+    head = tl.program_id(1)
+    b64 = tl.program_id(2).to(tl.int64)
+    grp = head // heads_per_group
+    pp = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    nn = tl.arange(0, N_PAD)
+    p_mask = pp < p
+    tile_mask = p_mask[:, None] & (nn[None, :] < n)
+
+    state_ptrs = state_ptr + b64 * ss_b + head * ss_h + pp[:, None] * ss_p + nn[None, :] * ss_n
+    state = tl.load(state_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + b64 * sx_b + head * sx_h + pp * sx_p, mask=p_mask, other=0.0).to(tl.float32)
+    dt = tl.load(dt_ptr + b64 * sdt_b + head * sdt_h + pp * sdt_p, mask=p_mask, other=0.0).to(tl.float32)
+    bias = tl.zeros((BLOCK_P,), dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + head * sbias_h + pp * sbias_p, mask=p_mask, other=0.0).to(tl.float32)
+    dt = discretise(dt, bias, SOFTPLUS)
+    A = tl.load(A_ptr + head * sA_h + pp[:, None] * sA_p + nn[None, :] * sA_n, mask=tile_mask,
+                other=0.0).to(tl.float32)
+    B = tl.load(B_ptr + b64 * sB_b + grp * sB_g + nn * sB_n, mask=nn < n, other=0.0).to(tl.float32)
+    C = tl.load(C_ptr + b64 * sC_b + grp * sC_g + nn * sC_n, mask=nn < n, other=0.0).to(tl.float32)
+
+    new = state * tl.exp(dt[:, None] * A) + (dt * x)[:, None] * B[None, :]
+    out = tl.sum(new * C[None, :], axis=1)
+    if HAS_D:
+        D = tl.load(D_ptr + head * sD_h + pp * sD_p, mask=p_mask, other=0.0).to(tl.float32)
+        out += D * x
+    if HAS_Z:
+        z = tl.load(z_ptr + b64 * sz_b + head * sz_h + pp * sz_p, mask=p_mask, other=0.0).to(tl.float32)
+        out = out * (z * tl.sigmoid(z))
+    new_ptrs = new_ptr + b64 * sn_b + head * sn_h + pp[:, None] * sn_p + nn[None, :] * sn_n
+    tl.store(new_ptrs, new, mask=tile_mask)
+    tl.store(out_ptr + b64 * so_b + head * so_h + pp * so_p, out, mask=p_mask)
+
+
+def _as_heads(state, x, dt, A, B, C, D, z, dt_bias):
+    """Mamba-1 tensors as the Mamba-2 layout with h = g heads of p = d // g channels (views)."""
+    d = state.shape[1]
+    if B.dim() not in (2, 3) or B.shape != C.shape:
+        raise ValueError(f"Mamba-1 B and C must both be (b, n) or (b, g, n), got {tuple(B.shape)}, {tuple(C.shape)}")
+    g = 1 if B.dim() == 2 else B.shape[1]
+    if d % g:
+        raise ValueError(f"channels ({d}) must be a multiple of B/C groups ({g})")
+    split = lambda t, dim: None if t is None else t.unflatten(dim, (g, d // g))  # noqa: E731
+    B3 = B if B.dim() == 3 else B.unsqueeze(1)  # (b, n) -> (b, 1, n)
+    C3 = C if C.dim() == 3 else C.unsqueeze(1)
+    # (b, d, n) -> (b, g, e, n); (b, d) -> (b, g, e); (d, n) -> (g, e, n); (d,) -> (g, e)
+    return (split(state, 1), split(x, 1), split(dt, 1), split(A, 0), B3, C3, split(D, 0),
+            split(z, 1), split(dt_bias, 0))
+
+
+def selective_state_update(
+    state: Tensor,
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Optional[Tensor] = None,
+    z: Optional[Tensor] = None,
+    dt_bias: Optional[Tensor] = None,
+    dt_softplus: bool = False,
+    *,
+    out_state: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor]:
+    """One decode step (layouts of mamba_ssm's ``selective_state_update``).
+
+    Mamba-2: state (b, h, p, n); x, dt, z (b, h, p) (dt may be a stride-0 view of per-head
+    values); A (h, p, n) (expanded views welcome); B, C (b, g, n); D, dt_bias (h, p).
+    Mamba-1: state (b, d, n); x, dt, z (b, d); A (d, n); B, C (b, n) or (b, g, n); D, dt_bias (d,).
+    Returns (out in x's dtype, new state in state's dtype); with ``out_state`` the new state is
+    written there (``out_state=state`` updates in place) and returned.
+    """
+    if state.dim() not in (3, 4):
+        raise ValueError(f"state must be (b, d, n) or (b, h, p, n), got shape {tuple(state.shape)}")
+    if out_state is not None and (out_state.shape != state.shape or out_state.dtype != state.dtype
+                                  or out_state.device != state.device):
+        raise ValueError(
+            f"out_state must match state ({tuple(state.shape)}, {state.dtype}, {state.device}), got "
+            f"({tuple(out_state.shape)}, {out_state.dtype}, {out_state.device})"
+        )
+    new_state = out_state if out_state is not None else torch.empty_like(state)
+    out = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    if state.dim() == 3:
+        state4, x3, dt3, A3, B3, C3, D2, z3, bias2 = _as_heads(state, x, dt, A, B, C, D, z, dt_bias)
+        new4, out3 = new_state.unflatten(1, (B3.shape[1], -1)), out.unflatten(1, (B3.shape[1], -1))
+    else:
+        state4, x3, dt3, A3, B3, C3, D2, z3, bias2 = state, x, dt, A, B, C, D, z, dt_bias
+        new4, out3 = new_state, out
+    bsz, h, p, n = state4.shape
+    g = B3.shape[1]
+    if h % g:
+        raise ValueError(f"heads ({h}) must be a multiple of B/C groups ({g})")
+    expected = {"x": (x3, (bsz, h, p)), "dt": (dt3, (bsz, h, p)), "A": (A3, (h, p, n)),
+                "B": (B3, (bsz, g, n)), "C": (C3, (bsz, g, n)), "z": (z3, (bsz, h, p))}
+    for name, (t, shape) in expected.items():
+        if t is not None and tuple(t.shape) != shape:
+            raise ValueError(f"{name} must be {shape} for state {tuple(state.shape)}, got {tuple(t.shape)}")
+    # D and dt_bias: per (head, channel), possibly given per head and expanded.
+    D2 = torch.broadcast_to(D2, (h, p)) if D2 is not None else None
+    bias2 = torch.broadcast_to(bias2, (h, p)) if bias2 is not None else None
+    none2, none3 = (0, 0), (0, 0, 0)
+    block_p = min(64, triton.next_power_of_2(p))
+    _state_update_kernel[(triton.cdiv(p, block_p), h, bsz)](
+        state4, x3, dt3, A3, B3, C3, D2 if D2 is not None else out3, z3 if z3 is not None else out3,
+        bias2 if bias2 is not None else out3, out3, new4,
+        p, n, h // g,
+        *state4.stride(), *x3.stride(), *dt3.stride(), *A3.stride(), *B3.stride(), *C3.stride(),
+        *(D2.stride() if D2 is not None else none2), *(z3.stride() if z3 is not None else none3),
+        *(bias2.stride() if bias2 is not None else none2), *out3.stride(), *new4.stride(),
+        HAS_D=D2 is not None, HAS_Z=z3 is not None, HAS_BIAS=bias2 is not None, SOFTPLUS=dt_softplus,
+        BLOCK_P=block_p, N_PAD=triton.next_power_of_2(n), num_warps=4,
+    )
+    return out, new_state

@@ -1,0 +1,350 @@
+"""Triton selective-scan and decode-step kernels against plain sequential float64 references.
+
+Dimension letters: b batch, d channels, l tokens, n state size, g groups of B / C,
+S packed sequences, h heads, p head dim.
+
+Runs on "cuda" when present, else under Triton's CPU interpreter (tests/conftest.py sets
+TRITON_INTERPRET), with tiles small enough for the interpreter.
+
+Tolerances are max |kernel - reference| / max |reference|, per tensor:
+- fp32 inputs: 1e-5 (the kernels compute in fp32; the reference in float64).
+- bf16 / fp16 inputs: the reference runs in float64 on the same rounded inputs (and on the
+  same rounded output gradient), so the only difference beyond fp32 arithmetic is the final
+  rounding of outputs and gradients returned in the input dtype: half an ulp, 2^-9 (bf16) or
+  2^-12 (fp16) of each element, bounded by that fraction of the max. The tolerance is twice
+  that (2^-8, 2^-11). Triton's CPU interpreter converts fp32 to bf16 by truncation (the GPU
+  rounds to nearest), a full ulp, so there the bf16 tolerance is 2^-7. Results the kernels
+  return in fp32 (final states, gradients of the fp32 parameters A, D, delta_bias,
+  initial_state) keep the fp32 tolerance.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ssmshard import ops  # noqa: F401  (registers torch.ops.ssmshard)
+from ssmshard.kernels import reference
+from ssmshard.kernels.selective_scan import ScanConfig, selective_scan, selective_scan_as_op
+from ssmshard.kernels.state_update import selective_state_update
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The interpreter pays for every masked lane: tiny tiles there, real ones on the GPU.
+CFG = (ScanConfig(chunk=16) if DEVICE == "cuda"
+       else ScanConfig(chunk=8, fwd_block_d=4, bwd_block_d=4, bwd_warps=1))
+CHUNK = CFG.chunk
+FP32_TOL = 1e-5
+ROUNDING_TOL = {torch.float32: FP32_TOL, torch.bfloat16: 2.0**-8 if DEVICE == "cuda" else 2.0**-7,
+                torch.float16: 2.0**-11}
+
+
+# --- float64 sequential reference: one Python step per token ---------------------------------
+
+
+def seq_selective_scan(u, delta, A, B, C, D, z, delta_bias, softplus, init, offsets):
+    """y (b, d, l) and final states (b or S, d, n). ``offsets``: packed-sequence offsets
+    (list of ints) or None; the state restarts at each sequence start."""
+    bsz, d, l = u.shape
+    dt = delta if delta_bias is None else delta + delta_bias[:, None]
+    dt = F.softplus(dt) if softplus else dt
+    B = B if B.dim() == 4 else B[:, None]
+    C = C if C.dim() == 4 else C[:, None]
+    B = B.repeat_interleave(d // B.shape[1], dim=1)  # (b, g, n, l) -> (b, d, n, l)
+    C = C.repeat_interleave(d // C.shape[1], dim=1)
+    offsets = offsets or [0, l]
+    zero = u.new_zeros(bsz, d, A.shape[1])
+    ys, finals = [], []
+    for s in range(len(offsets) - 1):
+        if init is None:
+            h = zero
+        else:
+            h = init[s : s + 1] if len(offsets) > 2 else init
+        for t in range(offsets[s], offsets[s + 1]):
+            h = torch.exp(dt[:, :, t, None] * A) * h + (dt[:, :, t] * u[:, :, t])[..., None] * B[..., t]
+            ys.append((h * C[..., t]).sum(-1))
+        finals.append(h)
+    y = torch.stack(ys, -1)
+    if D is not None:
+        y = y + D[:, None] * u
+    if z is not None:
+        y = y * z * torch.sigmoid(z)
+    return y, torch.cat(finals, 0) if len(offsets) > 2 else finals[0]
+
+
+# --- helpers ----------------------------------------------------------------------------------
+
+
+def rel_err(got, want):
+    got, want = got.detach().double().cpu(), want.detach().double().cpu()
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
+def make_scan_inputs(b, d, l, n, g=None, dtype=torch.float32, D=True, z=True, bias=True,
+                     softplus=True, num_init=None):
+    """Inputs as a dict; per-token tensors in ``dtype``, parameters and states in fp32."""
+    bc = (b, n, l) if g is None else (b, g, n, l)
+    # Without softplus delta is the step itself: keep it positive.
+    delta = torch.randn(b, d, l) if softplus else torch.rand(b, d, l) * 0.5 + 0.05
+    return dict(
+        u=torch.randn(b, d, l).to(dtype),
+        delta=delta.to(dtype),
+        A=-torch.exp(torch.randn(d, n) * 0.5),
+        B=torch.randn(*bc).to(dtype),
+        C=torch.randn(*bc).to(dtype),
+        D=torch.randn(d) if D else None,
+        z=torch.randn(b, d, l).to(dtype) if z else None,
+        delta_bias=torch.randn(d) * 0.5 if bias else None,
+        initial_state=torch.randn(num_init, d, n) if num_init else None,
+    ), softplus
+
+
+NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state")
+
+
+def run_kernel(inputs, softplus, offsets=None, cfg=CFG):
+    """Leaves on DEVICE (requiring grad), and the kernel's (y, final)."""
+    leaves = {k: (v.to(DEVICE).requires_grad_(True) if v is not None else None) for k, v in inputs.items()}
+    cu = torch.tensor(offsets, dtype=torch.int32, device=DEVICE) if offsets else None
+    y, final = selective_scan(
+        *(leaves[k] for k in NAMES[:8]), softplus, cu_seqlens=cu,
+        initial_state=leaves["initial_state"], return_final_state=True, config=cfg,
+    )
+    return leaves, y, final
+
+
+def check_scan(inputs, softplus, offsets=None, cfg=CFG):
+    """Outputs and every input gradient, kernel vs the float64 reference on the same values."""
+    dtype = inputs["u"].dtype
+    leaves, y, final = run_kernel(inputs, softplus, offsets, cfg)
+    assert y.dtype == dtype and final.dtype == torch.float32
+    ref_leaves = {k: (v.double().requires_grad_(True) if v is not None else None) for k, v in inputs.items()}
+    y_ref, final_ref = seq_selective_scan(*(ref_leaves[k] for k in NAMES[:8]), softplus,
+                                          ref_leaves["initial_state"], offsets)
+    tol = ROUNDING_TOL[dtype]
+    assert rel_err(y, y_ref) <= tol, f"y: {rel_err(y, y_ref):.3g}"
+    assert rel_err(final, final_ref) <= FP32_TOL, f"final state: {rel_err(final, final_ref):.3g}"
+
+    # The output gradient arrives in y's dtype: give the reference the same rounded values.
+    w_y = torch.randn(y_ref.shape, dtype=torch.float64).to(dtype).double()
+    w_f = torch.randn(final_ref.shape, dtype=torch.float64)
+    names = [k for k in NAMES if inputs[k] is not None]
+    got = torch.autograd.grad((y.double() * w_y.to(DEVICE)).sum() + (final.double() * w_f.to(DEVICE)).sum(),
+                              [leaves[k] for k in names])
+    want = torch.autograd.grad((y_ref * w_y).sum() + (final_ref * w_f).sum(), [ref_leaves[k] for k in names])
+    for k, g_got, g_want in zip(names, got, want):
+        assert g_got.dtype == inputs[k].dtype, k
+        err, limit = rel_err(g_got, g_want), ROUNDING_TOL[inputs[k].dtype]
+        assert err <= limit, f"grad of {k}: relative error {err:.3g} > {limit:.3g}"
+
+
+# --- selective_scan ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "b, d, l, n, g, flags",
+    [
+        # odd length, channels not a multiple of the block, groups, everything on
+        (2, 6, 19, 16, 2, dict()),
+        # two whole chunks, n = 1, no B/C groups, no D / z / bias / softplus
+        (1, 4, 2 * CHUNK, 1, None, dict(D=False, z=False, bias=False, softplus=False)),
+        # n = 128 (the state loop is not unrolled), a length-3 tail
+        (1, 2, CHUNK + 3, 128, None, dict(D=False, bias=False)),
+    ],
+)
+def test_scan_fp32(fresh_seed, b, d, l, n, g, flags):
+    inputs, softplus = make_scan_inputs(b, d, l, n, g, num_init=b, **flags)
+    check_scan(inputs, softplus)
+
+
+def test_scan_fp32_no_initial_state(fresh_seed):
+    inputs, softplus = make_scan_inputs(1, 5, 2 * CHUNK + 5, 16, bias=False)
+    check_scan(inputs, softplus)
+
+
+def test_scan_segments(fresh_seed):
+    # The sequence split over 3 segments (one extra pass hands states across them).
+    inputs, softplus = make_scan_inputs(1, 4, 3 * CHUNK - 2, 16, g=2, num_init=1)
+    check_scan(inputs, softplus, cfg=ScanConfig(**{**CFG.__dict__, "segments": 3}))
+
+
+# Length-1 sequences, a boundary exactly on a chunk edge, an empty sequence, odd lengths.
+PACK = [0, 1, CHUNK, CHUNK + 1, CHUNK + 1, 2 * CHUNK + 3, 2 * CHUNK + 4, 3 * CHUNK + 1]
+
+
+@pytest.mark.parametrize("with_init", [True, False])
+def test_scan_packed(fresh_seed, with_init):
+    inputs, softplus = make_scan_inputs(1, 6, PACK[-1], 16, g=2, num_init=len(PACK) - 1 if with_init else None)
+    check_scan(inputs, softplus, offsets=PACK)
+
+
+def test_scan_packed_segments(fresh_seed):
+    inputs, softplus = make_scan_inputs(1, 4, PACK[-1], 8, num_init=len(PACK) - 1)
+    check_scan(inputs, softplus, offsets=PACK, cfg=ScanConfig(**{**CFG.__dict__, "segments": 2}))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_scan_low_precision(fresh_seed, dtype):
+    inputs, softplus = make_scan_inputs(2, 8, 2 * CHUNK + 5, 16, g=2, dtype=dtype, num_init=2)
+    check_scan(inputs, softplus)
+
+
+def test_packed_equals_sequences_alone(fresh_seed):
+    """No state crosses a boundary: the packed outputs and gradients equal those of each
+    sequence run on its own. Large initial states make any leak across a boundary obvious."""
+    offsets = [0, 1, CHUNK, CHUNK + 5, 2 * CHUNK + 2]
+    inputs, softplus = make_scan_inputs(1, 4, offsets[-1], 16, num_init=len(offsets) - 1)
+    inputs["initial_state"] = inputs["initial_state"] * 10
+    leaves, y, final = run_kernel(inputs, softplus, offsets)
+    w_y, w_f = torch.randn_like(y), torch.randn_like(final)
+    names = [k for k in NAMES if inputs[k] is not None]
+    grads = torch.autograd.grad((y * w_y).sum() + (final * w_f).sum(), [leaves[k] for k in names])
+    packed = dict(zip(names, grads))
+    summed = {k: torch.zeros_like(packed[k]) for k in ("A", "D", "delta_bias")}
+    for s, (lo, hi) in enumerate(zip(offsets, offsets[1:])):
+        piece = {k: inputs[k] for k in ("A", "D", "delta_bias")}
+        piece.update({k: inputs[k][..., lo:hi] for k in ("u", "delta", "B", "C", "z")})
+        piece["initial_state"] = inputs["initial_state"][s : s + 1]
+        s_leaves, s_y, s_final = run_kernel(piece, softplus)
+        assert rel_err(s_y, y[..., lo:hi]) <= FP32_TOL and rel_err(s_final, final[s : s + 1]) <= FP32_TOL
+        s_grads = torch.autograd.grad((s_y * w_y[..., lo:hi]).sum() + (s_final * w_f[s : s + 1]).sum(),
+                                      [s_leaves[k] for k in names])
+        for k, gr in zip(names, s_grads):
+            if k in summed:
+                summed[k] += gr
+            elif k == "initial_state":
+                assert rel_err(gr, packed[k][s : s + 1]) <= FP32_TOL, k
+            else:
+                assert rel_err(gr, packed[k][..., lo:hi]) <= FP32_TOL, k
+    for k, total in summed.items():
+        assert rel_err(total, packed[k]) <= FP32_TOL, k
+
+
+def test_matches_reference_op(fresh_seed):
+    """The swap target: same outputs and gradients as torch.ops.ssmshard.selective_scan."""
+    inputs, softplus = make_scan_inputs(2, 6, CHUNK + 7, 8, g=3, num_init=2)
+    args = [inputs[k] for k in NAMES[:8]] + [softplus, inputs["initial_state"]]
+    order = list(NAMES[:8]) + ["softplus", "initial_state"]
+    grads = []
+    kernel = lambda *a: selective_scan_as_op(*a, config=CFG)  # noqa: E731
+    for fn in (kernel, torch.ops.ssmshard.selective_scan):
+        leaves = [a.to(DEVICE).requires_grad_(True) if isinstance(a, torch.Tensor) else a for a in args]
+        y, final = fn(*leaves)
+        assert y.dtype == torch.float32 and final.dtype == torch.float32
+        w = torch.Generator().manual_seed(0)
+        loss = (y * torch.randn(y.shape, generator=w).to(DEVICE)).sum() + (final * torch.randn(final.shape, generator=w).to(DEVICE)).sum()
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        grads.append((y, final, torch.autograd.grad(loss, tensors)))
+    (y1, f1, g1), (y2, f2, g2) = grads
+    assert rel_err(y1, y2) <= FP32_TOL and rel_err(f1, f2) <= FP32_TOL
+    names = [n for n, a in zip(order, args) if isinstance(a, torch.Tensor)]
+    for name, a, b in zip(names, g1, g2):
+        assert rel_err(a, b) <= FP32_TOL, name
+
+
+def test_no_grad_path_and_default_config(fresh_seed):
+    # Inference skips the checkpoints; the default launch configuration is used.
+    inputs, softplus = make_scan_inputs(2, 8, 11, 4, num_init=2)
+    args = {k: (v.to(DEVICE) if v is not None else None) for k, v in inputs.items()}
+    with torch.no_grad():
+        y = selective_scan(*(args[k] for k in NAMES[:8]), softplus, initial_state=args["initial_state"])
+    y_ref, _ = seq_selective_scan(*(inputs[k].double() if inputs[k] is not None else None for k in NAMES[:8]),
+                                  softplus, inputs["initial_state"].double(), None)
+    assert rel_err(y, y_ref) <= FP32_TOL
+
+
+def test_rejects_bad_arguments():
+    inputs, _ = make_scan_inputs(2, 4, 8, 4)
+    args = [inputs[k] for k in NAMES[:8]]
+    with pytest.raises(ValueError, match="b must be 1"):
+        selective_scan(*args, cu_seqlens=torch.tensor([0, 8], dtype=torch.int32))
+    one = [a[:1] if a is not None and a.dim() >= 3 else a for a in args]
+    with pytest.raises(ValueError, match="int32"):
+        selective_scan(*one, cu_seqlens=torch.tensor([0, 8]))
+    with pytest.raises(ValueError, match="rise from 0 to l=8"):
+        selective_scan(*one, cu_seqlens=torch.tensor([0, 5, 3, 8], dtype=torch.int32))
+    with pytest.raises(ValueError, match="initial_state must be"):
+        selective_scan(*args, initial_state=torch.zeros(3, 4, 4))
+    with pytest.raises(ValueError, match="multiple of B/C groups"):
+        selective_scan(*args[:3], torch.zeros(2, 3, 4, 8), torch.zeros(2, 3, 4, 8))
+
+
+# --- selective_state_update -------------------------------------------------------------------
+
+
+def seq_state_update(state, x, dt, A, B, C, D, z, dt_bias, softplus):
+    """Mamba-2 layout, one head at a time, float64."""
+    h, g = state.shape[1], B.shape[1]
+    outs, news = [], []
+    for i in range(h):
+        grp = i // (h // g)
+        dt_i = dt[:, i] if dt_bias is None else dt[:, i] + dt_bias[i]
+        dt_i = F.softplus(dt_i) if softplus else dt_i  # (b, p)
+        new = state[:, i] * torch.exp(dt_i[..., None] * A[i]) + (dt_i * x[:, i])[..., None] * B[:, grp, None, :]
+        out = (new * C[:, grp, None, :]).sum(-1)
+        if D is not None:
+            out = out + D[i] * x[:, i]
+        if z is not None:
+            out = out * z[:, i] * torch.sigmoid(z[:, i])
+        outs.append(out)
+        news.append(new)
+    return torch.stack(outs, 1), torch.stack(news, 1)
+
+
+def to_device(*ts):
+    return [t.to(DEVICE) if t is not None else None for t in ts]
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_state_update_mamba2_expanded_views(fresh_seed, state_dtype):
+    # As Hugging Face calls it: dt, A, D, dt_bias are stride-0 expansions of per-head values.
+    b, h, p, n, g = 3, 4, 5, 16, 2
+    state = torch.randn(b, h, p, n).to(state_dtype)
+    x, z = torch.randn(b, h, p), torch.randn(b, h, p)
+    dt = torch.randn(b, h, 1).expand(b, h, p)
+    A = -torch.exp(torch.randn(h, 1, 1)).expand(h, p, n)
+    B, C = torch.randn(b, g, n), torch.randn(b, g, n)
+    D, dt_bias = torch.randn(h, 1).expand(h, p), torch.randn(h, 1).expand(h, p)
+    args = (state, x, dt, A, B, C, D, z, dt_bias, True)
+    out, new = selective_state_update(*to_device(*args[:9]), True)
+    out_ref, new_ref = seq_state_update(*[t.double() for t in args[:9]], True)
+    assert rel_err(out, out_ref) <= FP32_TOL
+    assert new.dtype == state_dtype and rel_err(new, new_ref) <= ROUNDING_TOL[state_dtype]
+    # Same as the reference op, and in place into a preallocated state.
+    out_op, new_op = reference.selective_state_update(*args)
+    buffer = state.clone().to(DEVICE)
+    out2, new2 = selective_state_update(buffer, *to_device(*args[1:9]), True, out_state=buffer)
+    assert new2.data_ptr() == buffer.data_ptr()
+    assert rel_err(out2, out_op) <= FP32_TOL and rel_err(buffer.float(), new_op.float()) <= ROUNDING_TOL[state_dtype]
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_state_update_mamba1(fresh_seed, grouped):
+    b, d, n = 2, 12, 16
+    g = 3 if grouped else None
+    state, x, dt, z = torch.randn(b, d, n), torch.randn(b, d), torch.randn(b, d) * 0.5, torch.randn(b, d)
+    A = -torch.exp(torch.randn(d, n) * 0.5)
+    B = torch.randn(b, g, n) if grouped else torch.randn(b, n)
+    C = torch.randn(b, g, n) if grouped else torch.randn(b, n)
+    D, dt_bias = torch.randn(d), torch.randn(d)
+    out, new = selective_state_update(*to_device(state, x, dt, A, B, C, D, z, dt_bias), True)
+    # Float64 reference in the Mamba-2 layout: one head per group, d // g channels each.
+    gg = g or 1
+    heads = lambda t: t.double().unflatten(1, (gg, d // gg))  # noqa: E731
+    out_ref, new_ref = seq_state_update(
+        heads(state), heads(x), heads(dt), A.double().unflatten(0, (gg, d // gg)),
+        B.double() if grouped else B.double()[:, None], C.double() if grouped else C.double()[:, None],
+        D.double().unflatten(0, (gg, d // gg)), heads(z), dt_bias.double().unflatten(0, (gg, d // gg)), True,
+    )
+    assert rel_err(out, out_ref.flatten(1, 2)) <= FP32_TOL
+    assert rel_err(new, new_ref.flatten(1, 2)) <= FP32_TOL
+    if not grouped:
+        out_op, new_op = reference.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, True)
+        assert rel_err(out, out_op) <= FP32_TOL and rel_err(new, new_op) <= FP32_TOL
+
+
+def test_state_update_rejects_mismatched_out_state():
+    state = torch.zeros(1, 4, 2)
+    with pytest.raises(ValueError, match="out_state must match"):
+        selective_state_update(state, torch.zeros(1, 4), torch.zeros(1, 4), torch.zeros(4, 2),
+                               torch.zeros(1, 2), torch.zeros(1, 2), out_state=torch.zeros(1, 4, 3))
