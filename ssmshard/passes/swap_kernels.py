@@ -117,7 +117,8 @@ def swap_kernels(program, ctx):
     for node in program.graph.nodes:
         if node.op != "call_function" or not str(node.target).startswith("ssmshard."):
             continue
-        if op_name(node) in _NOT_KERNELS:
+        name = op_name(node).rsplit(".", 1)[-1]  # "ssmshard.ssd_scan" -> "ssd_scan"
+        if name in _NOT_KERNELS:
             continue
         entry = KERNELS.get(node.target)
         why = "no Triton kernel for this op" if entry is None else None
@@ -128,7 +129,7 @@ def swap_kernels(program, ctx):
             why = why or "kernels='reference' was asked for"
         if why is None:
             node.target = adapter
-        report.append({"node": node.name, "op": op_name(node), "kernel": "triton" if why is None else None,
+        report.append({"node": node.name, "op": name, "kernel": "triton" if why is None else None,
                        "why": why})
     program.graph_module.recompile()
     program.kernel_report = report
