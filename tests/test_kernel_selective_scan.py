@@ -28,6 +28,7 @@ from ssmshard import ops  # noqa: F401  (registers torch.ops.ssmshard)
 from ssmshard.kernels import reference
 from ssmshard.kernels.selective_scan import ScanConfig, selective_scan, selective_scan_as_op
 from ssmshard.kernels.state_update import selective_state_update
+from test_ops import seq_state_update  # float64 decode-step loop, Mamba-2 layout, head by head
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The interpreter pays for every masked lane: tiny tiles there, real ones on the GPU.
@@ -270,25 +271,6 @@ def test_rejects_bad_arguments():
 
 
 # --- selective_state_update -------------------------------------------------------------------
-
-
-def seq_state_update(state, x, dt, A, B, C, D, z, dt_bias, softplus):
-    """Mamba-2 layout, one head at a time, float64."""
-    h, g = state.shape[1], B.shape[1]
-    outs, news = [], []
-    for i in range(h):
-        grp = i // (h // g)
-        dt_i = dt[:, i] if dt_bias is None else dt[:, i] + dt_bias[i]
-        dt_i = F.softplus(dt_i) if softplus else dt_i  # (b, p)
-        new = state[:, i] * torch.exp(dt_i[..., None] * A[i]) + (dt_i * x[:, i])[..., None] * B[:, grp, None, :]
-        out = (new * C[:, grp, None, :]).sum(-1)
-        if D is not None:
-            out = out + D[i] * x[:, i]
-        if z is not None:
-            out = out * z[:, i] * torch.sigmoid(z[:, i])
-        outs.append(out)
-        news.append(new)
-    return torch.stack(outs, 1), torch.stack(news, 1)
 
 
 def to_device(*ts):

@@ -12,17 +12,21 @@ Semantics (per channel c and state index i, A < 0):
 With ``cu_seqlens`` (packed sequences) the state restarts at every sequence start, from that
 sequence's initial state or 0, so nothing crosses a boundary, forward or backward.
 
-Bytes and passes (bf16, B=8, d=5120, L=2048, N=16). The forward reads u, delta, z once and
-writes y once: 4 * 168 MB = 671 MB, 0.16 ms at the 4.25 TB/s copy roofline. Its arithmetic
-is b*d*l*n = 1.34 G exp2 (~0.32 ms on the SFUs) plus ~4 FP32 instructions each, so the scan
-is compute bound and the design goal is one pass with no arithmetic beyond that; see
-``selective_scan_fwd`` for the layout that gets there and for the sequence segments used
-when b * d is too small to fill the GPU (B=1: one extra exp2 per element for G-fold
-parallelism). When gradients are needed the forward also writes the state at every chunk
-start (b*d*n*l*4/chunk bytes: 84 MB at chunk=64, 13% more traffic). The backward reads
-u, delta, z, dy and the checkpoints and writes du, ddelta, dz once (1.17 GB) plus the dB/dC
-block partials (8*b*n*l bytes per channel block: 168 MB at 16-channel blocks), which torch
-then sums.
+Bytes and passes (bf16, B=8, d=5120, L=2048, N=16; one (b, d, l) bf16 tensor is 168 MB).
+Forward: reads u, delta, z once and writes y once, 671 MB, 0.16 ms at the 4.25 TB/s copy
+roofline. Its arithmetic is b*d*l*n = 1.34 G exp2 (~0.32 ms on the SFUs) plus ~4 FP32
+instructions each (SASS: ~10 instructions per element in all), so it is compute bound and the
+design goal is one pass with nothing beyond that arithmetic; ``selective_scan_fwd`` has the
+layout that gets there, and the sequence segments used when b * d is too small to fill the
+GPU (B=1, d=5120: 160 warps); segments cost a second read of u and delta and one more exp2
+per element, and buy G-fold parallelism. With gradients
+the forward also writes the state at every chunk start: b*d*n*l*4/chunk = 84 MB at chunk=64.
+Backward: reads u, delta, z, dy, checkpoints, writes du, ddelta, dz: 1.26 GB; plus the dB/dC
+per-channel-block partials, 2*b*n*l*4 bytes per block = 671 MB at 16-channel blocks, written
+by the kernel and read back by torch's sum (wider blocks halve that but give fewer
+programs; ``ScanConfig.bwd_block_d``). Its arithmetic (two scans per element, one of them
+reversed, and two channel sums per state index) is ~70-85 SASS instructions per element, so it
+too is compute bound.
 """
 
 from __future__ import annotations

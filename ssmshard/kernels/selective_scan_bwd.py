@@ -191,6 +191,8 @@ def scan_bwd_kernel(
         lam_Ah = tl.zeros((BLOCK_D, T), dtype=tl.float32)  # sum_i A_i * lam * a_t * h_{t-1}
         dB_tile = tl.zeros((N_PAD, T), dtype=tl.float32)
         dC_tile = tl.zeros((N_PAD, T), dtype=tl.float32)
+        # Unrolled (compile-time i: the state-tile column selects fold away) for small n,
+        # a loop otherwise; the two calls differ only in the loop around them.
         if N_STATIC > 0:
             for i in tl.static_range(N_STATIC):
                 y, lam_B, lam_Ah, dA_acc, lam_next, dB_tile, dC_tile = _one_state_index_bwd(

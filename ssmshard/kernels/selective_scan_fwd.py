@@ -119,6 +119,8 @@ def _advance(
         restarted = restarted | has_start
 
     y = tl.zeros(u.shape, dtype=tl.float32)
+    # Unrolled (compile-time i: the state-tile column selects fold away) for small n,
+    # a loop otherwise; the two calls differ only in the loop around them.
     if N_STATIC > 0:
         for i in tl.static_range(N_STATIC):
             y, state = _one_state_index(

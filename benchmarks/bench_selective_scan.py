@@ -1,0 +1,316 @@
+"""Benchmark of the Triton selective-scan kernels (ssmshard.kernels.selective_scan) on one GPU.
+
+    python benchmarks/bench_selective_scan.py [--out FILE] [--sweep] [--no-mamba]
+
+1. Correctness at full size: the bf16 kernel against the fp32 torch reference
+   (ssmshard.kernels.reference.selective_scan) on the same rounded inputs; gradients at a
+   smaller size (the reference's autograd keeps every chunk's intermediates).
+2. triton.testing.do_bench medians, forward and forward+backward, bf16 Mamba-1 shapes
+   (d=5120, N=16 is the Mamba-2.8B mixer), packed sequences, and the same shapes with
+   mamba_ssm's CUDA selective_scan_fn when it imports (ratio = theirs / ours).
+3. Achieved bandwidth: counted bytes / time, against a device-to-device copy measured here.
+4. The decode-step kernel at batch 1 and 64.
+``--sweep`` also times a few launch configurations (ScanConfig) per shape, to pick defaults.
+Writes JSON to --out (default $OUT/bench_selective_scan.json, else ./bench_selective_scan.json)
+and prints a table. ``--smoke`` runs tiny shapes on the CPU interpreter (checks the script).
+
+Dimension letters: b batch, d channels, l tokens, n state size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+if "--smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from ssmshard.kernels import reference  # noqa: E402
+from ssmshard.kernels.selective_scan import ScanConfig, default_config, selective_scan  # noqa: E402
+from ssmshard.kernels.state_update import selective_state_update  # noqa: E402
+
+D_MODEL, N_STATE = 5120, 16  # Mamba-2.8B mixer: d_inner 5120, state 16
+
+
+def mamba_ssm_scan():
+    try:
+        from mamba_ssm.ops.selective_scan_interface import selective_scan_fn
+    except Exception as exc:  # optional dependency: any import failure means "not available"
+        print(f"note: mamba_ssm not importable ({type(exc).__name__}: {exc}); comparing with nothing")
+        return None
+    return selective_scan_fn
+
+
+def make_inputs(b, d, l, n, device, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    rnd = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    return dict(
+        u=rnd(b, d, l).to(device, dtype),
+        delta=(rnd(b, d, l) * 0.5 - 1.0).to(device, dtype),
+        A=(-torch.exp(rnd(d, n) * 0.5)).to(device),
+        B=rnd(b, n, l).to(device, dtype),
+        C=rnd(b, n, l).to(device, dtype),
+        D=rnd(d).to(device),
+        z=rnd(b, d, l).to(device, dtype),
+        delta_bias=(rnd(d) * 0.5).to(device),
+    )
+
+
+ORDER = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")
+
+
+def log_uniform_lengths(total, lo, hi, seed=0):
+    """Sequence lengths, log-uniform in [lo, hi], summing to exactly ``total``."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = []
+    while sum(lengths) < total:
+        lengths.append(int(math.exp(math.log(lo) + torch.rand((), generator=g).item() * math.log(hi / lo))))
+    lengths[-1] -= sum(lengths) - total
+    return [x for x in lengths if x > 0]
+
+
+def timer(smoke):
+    if not smoke:
+        return lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+    def cpu_time(fn):
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+
+    return cpu_time
+
+
+def rel_err(got, want):
+    got, want = got.double(), want.double()
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
+# --- byte counts ---------------------------------------------------------------------------
+
+
+def essential_bytes(b, d, l, n, elem=2):
+    """Inputs read once, outputs written once (bf16 activations, B/C, fp32 parameters)."""
+    per_token = b * d * l * elem
+    bc = 2 * b * n * l * elem
+    fwd = 3 * per_token + bc + per_token  # u, delta, z, B, C -> y
+    bwd = 4 * per_token + bc + 3 * per_token + bc  # u, delta, z, dy, B, C -> du, ddelta, dz, dB, dC
+    return fwd, fwd + bwd
+
+
+def extra_bytes(b, d, l, n, cfg: ScanConfig):
+    """What this design moves beyond that: checkpoints (written, read), dB/dC block partials
+    (written, read by the torch sum)."""
+    ckpt = b * d * n * triton.cdiv(l, cfg.chunk) * 4
+    partials = 2 * b * n * l * 4 * triton.cdiv(d, cfg.bwd_block_d)
+    return 2 * ckpt + 2 * partials
+
+
+def copy_roofline(device, smoke):
+    """Device-to-device copy bandwidth (bytes read + written per second)."""
+    numel = (1 << 16) if smoke else (1 << 28)  # 1 GiB of fp32
+    src = torch.empty(numel, device=device, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    ms = timer(smoke)(lambda: dst.copy_(src))
+    return 2 * numel * 4 / (ms * 1e-3)
+
+
+# --- measurements ----------------------------------------------------------------------------
+
+
+def check_correctness(device, smoke, results):
+    b, d, l = (1, 8, 40) if smoke else (8, D_MODEL, 2048)
+    x = make_inputs(b, d, l, N_STATE, device)
+    with torch.no_grad():
+        y = selective_scan(*(x[k] for k in ORDER), True, out_dtype=torch.float32)
+        y_ref, _ = reference.selective_scan(*(x[k] for k in ORDER), True)
+    err = rel_err(y, y_ref)
+    print(f"forward  b={b} d={d} l={l}: rel err vs fp32 torch reference {err:.2e}")
+    results["correctness"] = {"forward": {"shape": [b, d, l, N_STATE], "rel_err": err}}
+
+    # Gradients in fp32 (bf16 would only show the rounding of the returned gradients).
+    b, d, l = (1, 8, 40) if smoke else (2, 1024, 1024)
+    x = make_inputs(b, d, l, N_STATE, device, dtype=torch.float32, seed=1)
+    init = torch.randn(b, d, N_STATE, device=device)
+    grads = []
+    for fn in ("kernel", "reference"):
+        leaves = {k: v.detach().clone().requires_grad_(True) for k, v in x.items()}
+        s0 = init.clone().requires_grad_(True)
+        args = [leaves[k] for k in ORDER]
+        if fn == "kernel":
+            y, fin = selective_scan(*args, True, initial_state=s0, return_final_state=True, out_dtype=torch.float32)
+        else:
+            y, fin = reference.selective_scan(*args, True, s0)
+        gen = torch.Generator(device="cpu").manual_seed(2)
+        w_y = torch.randn(y.shape, generator=gen).to(device)
+        w_f = torch.randn(fin.shape, generator=gen).to(device)
+        grads.append(torch.autograd.grad((y * w_y).sum() + (fin * w_f).sum(), args + [s0]))
+    errs = {k: rel_err(a, r) for k, a, r in zip(list(ORDER) + ["initial_state"], *grads)}
+    print(f"backward b={b} d={d} l={l}: rel err of grads vs fp32 torch reference: "
+          + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()))
+    results["correctness"]["backward"] = {"shape": [b, d, l, N_STATE], "rel_err": errs}
+
+
+def time_scan(fn_fwd, fn_fwd_bwd, bench):
+    return bench(fn_fwd), bench(fn_fwd_bwd)
+
+
+def ours(x, cfg=None, cu_seqlens=None):
+    args = [x[k] for k in ORDER]
+    leaves = [a.detach().requires_grad_(a.is_floating_point()) for a in args]
+    dy = torch.randn_like(x["u"])
+
+    def fwd():
+        with torch.no_grad():
+            selective_scan(*args, True, cu_seqlens=cu_seqlens, config=cfg)
+
+    def fwd_bwd():
+        y = selective_scan(*leaves, True, cu_seqlens=cu_seqlens, config=cfg)
+        torch.autograd.grad(y, leaves, dy)
+
+    return fwd, fwd_bwd
+
+
+def theirs(x, scan_fn):
+    args = [x[k] for k in ORDER]
+    leaves = [a.detach().requires_grad_(True) for a in args]
+    dy = torch.randn_like(x["u"])
+
+    def fwd():
+        with torch.no_grad():
+            scan_fn(*args, delta_softplus=True)
+
+    def fwd_bwd():
+        y = scan_fn(*leaves, delta_softplus=True)
+        torch.autograd.grad(y, leaves, dy)
+
+    return fwd, fwd_bwd
+
+
+def sweep_configs(b, d, l):
+    base = default_config(b, d, l, torch.device("cuda"))
+    configs = {"default": base}
+    for warps in (1, 2, 4):
+        for segments in sorted({1, 2, 4, 8, base.segments}):
+            if l // segments >= 256:
+                configs[f"fwd w{warps} seg{segments}"] = ScanConfig(**{**base.__dict__, "fwd_warps": warps,
+                                                                       "segments": segments})
+    for chunk, block, warps in ((64, 16, 4), (128, 16, 8), (32, 32, 4), (64, 32, 8), (64, 8, 2), (128, 8, 4)):
+        configs[f"bwd T{chunk} bd{block} w{warps}"] = ScanConfig(**{**base.__dict__, "chunk": chunk,
+                                                                    "bwd_block_d": block, "bwd_warps": warps})
+    return configs
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=None, help="JSON file (default $OUT/bench_selective_scan.json)")
+    parser.add_argument("--sweep", action="store_true", help="also time a few launch configurations")
+    parser.add_argument("--no-mamba", action="store_true", help="skip the mamba_ssm comparison")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter")
+    args = parser.parse_args()
+    out = args.out or os.path.join(os.environ.get("OUT", "."), "bench_selective_scan.json")
+    device = torch.device("cpu" if args.smoke else "cuda")
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run on a GPU, or pass --smoke to check the script on CPU")
+    bench = timer(args.smoke)
+    results = {
+        "device": "cpu-interpreter" if args.smoke else torch.cuda.get_device_name(),
+        "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+    }
+    t_start = time.time()
+    roofline = copy_roofline(device, args.smoke)
+    results["copy_roofline_GBps"] = roofline / 1e9
+    print(f"device-to-device copy: {roofline / 1e9:.0f} GB/s")
+    check_correctness(device, args.smoke, results)
+    scan_fn = None if (args.no_mamba or args.smoke) else mamba_ssm_scan()
+
+    if args.smoke:
+        shapes = [(2, 64, 128), (1, 64, 512)]
+        packed_total, packed_lo, packed_hi = 512, 16, 128
+    else:
+        shapes = [(8, D_MODEL, 2048), (1, D_MODEL, 16384)] + [(1, D_MODEL, l) for l in (2048, 4096, 8192)]
+        packed_total, packed_lo, packed_hi = 16384, 64, 4096
+    rows = []
+    for b, d, l in shapes:
+        x = make_inputs(b, d, l, N_STATE, device)
+        cfg = default_config(b, d, l, device)
+        f, fb = ours(x, cfg)
+        row = {"shape": f"B={b} d={d} L={l} N={N_STATE}", "config": cfg.__dict__}
+        row["ours_fwd_ms"], row["ours_fwd_bwd_ms"] = time_scan(f, fb, bench)
+        ess_f, ess_fb = essential_bytes(b, d, l, N_STATE)
+        row["fwd_GBps"] = ess_f / (row["ours_fwd_ms"] * 1e-3) / 1e9
+        row["fwd_bwd_GBps"] = (ess_fb + extra_bytes(b, d, l, N_STATE, cfg)) / (row["ours_fwd_bwd_ms"] * 1e-3) / 1e9
+        if scan_fn is not None:
+            f2, fb2 = theirs(x, scan_fn)
+            row["mamba_fwd_ms"], row["mamba_fwd_bwd_ms"] = time_scan(f2, fb2, bench)
+        if args.sweep and not args.smoke:
+            row["sweep"] = {}
+            for name, c in sweep_configs(b, d, l).items():
+                f3, fb3 = ours(x, c)
+                row["sweep"][name] = dict(zip(("fwd_ms", "fwd_bwd_ms"), time_scan(f3, fb3, bench)))
+        rows.append(row)
+        del x
+
+    # Packed: log-uniform lengths summing to packed_total, one row.
+    lengths = log_uniform_lengths(packed_total, packed_lo, packed_hi)
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=device)
+    x = make_inputs(1, D_MODEL if not args.smoke else 64, packed_total, N_STATE, device)
+    cfg = default_config(1, x["u"].shape[1], packed_total, device)
+    f, fb = ours(x, cfg, cu_seqlens=cu)
+    row = {"shape": f"packed {len(lengths)} seqs ({min(lengths)}..{max(lengths)}) d={x['u'].shape[1]} "
+                    f"L={packed_total} N={N_STATE}", "config": cfg.__dict__}
+    row["ours_fwd_ms"], row["ours_fwd_bwd_ms"] = time_scan(f, fb, bench)
+    ess_f, ess_fb = essential_bytes(1, x["u"].shape[1], packed_total, N_STATE)
+    row["fwd_GBps"] = ess_f / (row["ours_fwd_ms"] * 1e-3) / 1e9
+    row["fwd_bwd_GBps"] = ((ess_fb + extra_bytes(1, x["u"].shape[1], packed_total, N_STATE, cfg))
+                           / (row["ours_fwd_bwd_ms"] * 1e-3) / 1e9)
+    if scan_fn is not None:
+        row["note"] = "mamba_ssm selective_scan_fn takes no cu_seqlens: not compared"
+    rows.append(row)
+    del x
+
+    # Decode step, Mamba-1 layout (the Mamba-2.8B mixer), state updated in place.
+    decode = {}
+    for b in (1, 64):
+        d = D_MODEL if not args.smoke else 64
+        state = torch.randn(b, d, N_STATE, device=device)
+        xs = [torch.randn(b, d, device=device, dtype=torch.bfloat16) for _ in range(3)]
+        A = -torch.rand(d, N_STATE, device=device)
+        Bv, Cv = (torch.randn(b, N_STATE, device=device, dtype=torch.bfloat16) for _ in range(2))
+        D, bias = torch.randn(d, device=device), torch.randn(d, device=device)
+        ms = bench(lambda: selective_state_update(state, xs[0], xs[1], A, Bv, Cv, D, xs[2], bias, True,
+                                                  out_state=state))
+        decode[f"batch {b}"] = {"ms": ms, "GBps": (2 * state.numel() * 4 + 4 * b * d * 2) / (ms * 1e-3) / 1e9}
+    results["scan"], results["decode"] = rows, decode
+    results["wall_s"] = time.time() - t_start
+
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as fh:
+        json.dump(results, fh, indent=2)
+    print(f"\n{'shape':<52} {'fwd ms':>8} {'f+b ms':>8} {'mamba fwd':>9} {'mamba f+b':>9} "
+          f"{'x fwd':>6} {'x f+b':>6} {'fwd GB/s':>8} {'f+b GB/s':>8}")
+    for r in rows:
+        their_f, their_fb = r.get("mamba_fwd_ms"), r.get("mamba_fwd_bwd_ms")
+        ratio = lambda a, b: f"{a / b:6.2f}" if a else f"{'-':>6}"  # noqa: E731
+        print(f"{r['shape']:<52} {r['ours_fwd_ms']:8.3f} {r['ours_fwd_bwd_ms']:8.3f} "
+              f"{their_f if their_f else '-':>9} {their_fb if their_fb else '-':>9} "
+              f"{ratio(their_f, r['ours_fwd_ms'])} {ratio(their_fb, r['ours_fwd_bwd_ms'])} "
+              f"{r['fwd_GBps']:8.0f} {r['fwd_bwd_GBps']:8.0f}")
+        for name, t in r.get("sweep", {}).items():
+            print(f"    sweep {name:<40} {t['fwd_ms']:8.3f} {t['fwd_bwd_ms']:8.3f}")
+    print(f"copy roofline {roofline / 1e9:.0f} GB/s; decode: "
+          + ", ".join(f"{k} {v['ms'] * 1e3:.1f} us" for k, v in decode.items()))
+    print(f"wrote {out} ({results['wall_s']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
