@@ -173,9 +173,13 @@ def _capture_context(model, family):
 
 
 def _example_ids(model, batch, seq, device):
+    # Fixed example ids from a private generator: capturing (also a lazy shape-bucket sibling
+    # in the middle of sampling) must not move the user's random number stream.
     vocab = model.config.vocab_size
-    return torch.randint(0, vocab, (batch, seq), device=device) if device.type != "meta" else \
-        torch.zeros(batch, seq, dtype=torch.long, device=device)
+    if device.type == "meta":
+        return torch.zeros(batch, seq, dtype=torch.long, device=device)
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
+    return ids.to(device)
 
 
 def _default_mask_and_positions(input_ids, past: int):

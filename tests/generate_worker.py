@@ -6,8 +6,9 @@ import torch
 import torch.distributed as dist
 
 import ssmshard
+from ssmshard.capture import flatten_states
+from ssmshard.families import cache_kwarg
 from ssmshard.placement import Shard
-from ssmshard.runtime.generate import generate
 
 from conftest import small_model
 
@@ -32,17 +33,7 @@ def _same_on_every_rank(tensor):
     return all(torch.equal(g, tensor) for g in gathered)
 
 
-def _state_shares(dm, prefill_states, unsharded_states):
-    """For each state tensor: its placement and local / global element counts."""
-    shares = []
-    for placement, local, full in zip(dm.state_placements(), prefill_states, unsharded_states):
-        shares.append({"placement": str(placement), "sharded": isinstance(placement, Shard),
-                       "local": local.numel(), "global": full.numel(),
-                       "even": isinstance(placement, Shard) and all(s.pieces == dm.plan.tp for s in placement.segments)})
-    return shares
-
-
-def generate_results(rank, world, families, seed, out_path):
+def generate_results(rank, world, families, seed, out_path, sampling_families=("mamba2", "zamba2")):
     results = []
     for family in families:
         model = small_model(family)
@@ -53,29 +44,34 @@ def generate_results(rank, world, families, seed, out_path):
         with torch.no_grad():
             hf = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
                                 eos_token_id=eos, pad_token_id=PAD)
-        # Sampling: the same seed on every rank and in the unsharded (tp = 1) programs.
-        options = dict(max_new_tokens=12, do_sample=True, temperature=0.8, top_k=40, top_p=0.9,
-                       eos_token_id=eos, pad_token_id=PAD)
-        torch.manual_seed(seed)
-        sampled = dm.generate(ids, mask, **options)
-        prefill, decode = ssmshard.capture(model, mode="prefill"), ssmshard.capture(model, mode="decode")
-        torch.manual_seed(seed)
-        sampled_tp1 = generate(prefill, decode, ids, mask, **options)
-        # States after prefill, sharded vs unsharded.
+        result = {"family": family, "tp": world, "greedy_equal_hf": torch.equal(ours, hf), "ours": ours.tolist(),
+                  "hf": hf.tolist(), "greedy_same_on_all_ranks": _same_on_every_rank(ours)}
+        # States after prefill: each rank's share of the global state tensors.
         position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
         local_prefill, _ = dm.generation_programs()
         _, local_states = local_prefill(ids, attention_mask=mask, position_ids=position_ids)
-        _, full_states = prefill(ids, attention_mask=mask, position_ids=position_ids)
-        results.append({
-            "family": family, "tp": world,
-            "greedy_equal_hf": torch.equal(ours, hf), "ours": ours.tolist(), "hf": hf.tolist(),
-            "greedy_same_on_all_ranks": _same_on_every_rank(ours),
-            "sampled_same_on_all_ranks": _same_on_every_rank(sampled),
-            "sampled_equal_tp1": torch.equal(sampled, sampled_tp1),
-            "sampled_differs_from_greedy": not torch.equal(sampled, ours[:, :sampled.shape[1]]),
-            "states": _state_shares(dm, local_states, full_states),
-            "state_kinds": [spec.kind for spec in local_prefill.state_specs],
-        })
+        with torch.no_grad():  # the unsharded states: HF's own cache after the same prefill
+            out = model(ids, attention_mask=mask, use_cache=True)
+        global_shapes = [t.numel() for t in flatten_states(getattr(out, cache_kwarg(model)))]
+        assert len(global_shapes) == len(local_states)
+        result["states"] = [{"placement": str(p), "sharded": isinstance(p, Shard), "local": t.numel(),
+                             "global": g, "even": isinstance(p, Shard) and all(s.pieces == world for s in p.segments)}
+                            for t, p, g in zip(local_states, dm.state_placements(), global_shapes)]
+        result["state_kinds"] = [spec.kind for spec in local_prefill.state_specs]
+        if family in sampling_families:
+            # Sampling with a seed: the same tokens on every rank, and HF's own sampled tokens
+            # (one multinomial draw per step from the same stream, after the same warpers).
+            options = dict(max_new_tokens=12, do_sample=True, temperature=0.8, top_k=40, top_p=0.9,
+                           eos_token_id=eos, pad_token_id=PAD)
+            torch.manual_seed(seed)
+            sampled = dm.generate(ids, mask, **options)
+            torch.manual_seed(seed)
+            with torch.no_grad():
+                hf_sampled = model.generate(ids, attention_mask=mask, **options)
+            result.update(sampled_same_on_all_ranks=_same_on_every_rank(sampled),
+                          sampled_equal_hf=torch.equal(sampled, hf_sampled),
+                          sampled=sampled.tolist(), hf_sampled=hf_sampled.tolist())
+        results.append(result)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)

@@ -11,11 +11,14 @@ import generate_worker
 from conftest import SIX_FAMILIES, small_model
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
+# tp = 4 runs 4 ranks of 18 captures each on CI's 2 cores (about 7 minutes): in the slow tier
+# (`make test-all`), so that `make test` stays under 20 minutes.
+@pytest.mark.parametrize("tp", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_generate_matches_hf_generate_and_states_are_sharded(tp, tmp_path, fresh_seed):
     """Greedy: exactly HF's tokens for 3 left-padded prompts of different lengths, 20 new tokens,
-    all six families. Sampling with a fixed seed: the same tokens on every rank and as the
-    unsharded programs. Each rank's SSM/KV state tensors hold 1/tp of the channels or heads."""
+    all six families. Sampling with a fixed seed (Mamba-2 and Zamba2, to keep the test short):
+    the same tokens on every rank and as HF's sampling from the same seed (so tp = 2, 4 equal
+    tp = 1 too). Each rank's SSM/KV state tensors hold 1/tp of the channels or heads."""
     out = tmp_path / "generate.json"
     ssmshard.launch(generate_worker.generate_results, tp, SIX_FAMILIES, fresh_seed, str(out))
     results = json.loads(out.read_text())
@@ -23,8 +26,10 @@ def test_generate_matches_hf_generate_and_states_are_sharded(tp, tmp_path, fresh
     for r in results:
         where = f"{r['family']} tp={tp} (seed {fresh_seed})"
         assert r["greedy_equal_hf"], f"{where}: ours {r['ours']} vs HF {r['hf']}"
-        assert r["greedy_same_on_all_ranks"] and r["sampled_same_on_all_ranks"], where
-        assert r["sampled_equal_tp1"], where
+        assert r["greedy_same_on_all_ranks"], where
+        if "sampled_equal_hf" in r:
+            assert r["sampled_same_on_all_ranks"], where
+            assert r["sampled_equal_hf"], f"{where}: ours {r['sampled']} vs HF {r['hf_sampled']}"
         for kind, share in zip(r["state_kinds"], r["states"]):
             if tp == 1:
                 assert share["local"] == share["global"], (where, kind, share)
