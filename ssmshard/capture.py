@@ -42,7 +42,7 @@ from torch.export import Dim
 from .families import cache_kwarg, family_of
 from .hf_shims import swapped_kernel_functions
 from .packed_capture import PackedForward, check_packable, example_cu_seqlens, verify_packed_graph
-from .program import Program, StateSpec
+from .program import Program, StateSpec, unpadded_mask_and_positions
 
 MODES = ("forward", "prefill", "decode")
 # Attributes of HF cache layers that hold state tensors, in the order states are flattened.
@@ -182,14 +182,6 @@ def _example_ids(model, batch, seq, device):
     return ids.to(device)
 
 
-def _default_mask_and_positions(input_ids, past: int):
-    """An all-ones mask over past + new tokens and consecutive positions: an unpadded batch."""
-    batch, seq = input_ids.shape
-    mask = torch.ones(batch, past + seq, dtype=torch.long, device=input_ids.device)
-    positions = torch.arange(past, past + seq, device=input_ids.device).expand(batch, seq)
-    return mask, positions
-
-
 def _state_template(model, cache_kwarg, device):
     """A populated HF cache from a tiny eager prefill (meta tensors when the model is on meta).
 
@@ -278,7 +270,7 @@ def _capture_one(model, family, mode, example_batch, example_seq, packed=False) 
             # Prefill branches on length (short prompts are padded to the conv kernel): AUTO.
             wrapper = _Prefill(model, cache_kw)
             ids = _example_ids(model, example_batch, example_seq, device)
-            args = (ids, *_default_mask_and_positions(ids, 0))
+            args = (ids, *unpadded_mask_and_positions(ids, 0))
             seq = Dim.AUTO
             dynamic = ({0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch, 1: seq})
         else:
@@ -294,7 +286,7 @@ def _capture_one(model, family, mode, example_batch, example_seq, packed=False) 
                 states.append(torch.zeros(shape, dtype=tensor.dtype, device=device))
                 dynamic_states.append(dims)
             ids = _example_ids(model, example_batch, 1, device)
-            args = (ids, *_default_mask_and_positions(ids, example_seq), states)
+            args = (ids, *unpadded_mask_and_positions(ids, example_seq), states)
             dynamic = ({0: batch}, {0: batch, 1: Dim.AUTO}, {0: batch}, dynamic_states)
         try:
             exported = torch.export.export(wrapper, args, dynamic_shapes=dynamic, strict=False)

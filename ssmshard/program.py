@@ -244,11 +244,10 @@ class Program:
             states = _require_states(states) if self.mode == "decode" else []
             if attention_mask is None:
                 past = self.past_length(states) if self.mode == "decode" else 0
-                attention_mask = input_ids.new_ones(input_ids.shape[0], past + input_ids.shape[1])
-            if position_ids is None:
-                past = attention_mask.shape[1] - input_ids.shape[1]
-                position_ids = torch.arange(past, attention_mask.shape[1], device=input_ids.device)
-                position_ids = position_ids.expand(input_ids.shape[0], -1)
+                attention_mask, default_positions = unpadded_mask_and_positions(input_ids, past)
+                position_ids = default_positions if position_ids is None else position_ids
+            elif position_ids is None:
+                _, position_ids = unpadded_mask_and_positions(input_ids, attention_mask.shape[1] - input_ids.shape[1])
             user = [input_ids, attention_mask, position_ids, *states]
         target = self.for_shapes(user)
         outputs = target.graph_module(*target.weight_args(), *user)
@@ -310,6 +309,14 @@ def _user_input_ranges(exported, user_nodes):
             else:
                 ranges[(index, dim)] = (int(size), int(size))
     return ranges
+
+
+def unpadded_mask_and_positions(input_ids, past: int):
+    """An all-ones mask over ``past`` + new tokens and consecutive positions: an unpadded batch."""
+    batch, seq = input_ids.shape
+    mask = torch.ones(batch, past + seq, dtype=torch.long, device=input_ids.device)
+    positions = torch.arange(past, past + seq, device=input_ids.device).expand(batch, seq)
+    return mask, positions
 
 
 def _require_states(states):

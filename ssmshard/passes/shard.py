@@ -526,23 +526,24 @@ def _rule_cat(s: _Sharder, node):
     # torch.cat skips 1-D empty tensors (an HF cache's "no keys yet" placeholder): so do we.
     tensors = [t for t in node.args[0] if _shape(t) != (0,)]
     dim = (node.args[1] if len(node.args) > 1 else 0) % len(_shape(node))
-    placements = {s.place.get(t, REPLICATE) for t in tensors}
-    if len(placements) != 1:
-        s.fail(node, f"concatenates differently placed tensors {placements}")
-    (p,) = placements
+    p = _common_placement(s, node, tensors)
     if isinstance(p, Shard) and p.dim == dim:
         # Zamba's per-head scan outputs, concatenated by head: each input's segments in order.
         return Shard(dim, p.segments * len(tensors))
     return p
 
 
-def _rule_stack(s: _Sharder, node):
-    """Stacking equally placed tensors (Zamba's per-head states) adds an unsharded dim."""
-    tensors = node.args[0]
+def _common_placement(s, node, tensors):
+    """The one placement every input of a cat/stack has (anything else would mix ranks' data)."""
     placements = {s.place.get(t, REPLICATE) for t in tensors}
     if len(placements) != 1:
-        s.fail(node, f"stacks differently placed tensors {placements}")
-    (p,) = placements
+        s.fail(node, f"joins differently placed tensors {placements}")
+    return next(iter(placements))
+
+
+def _rule_stack(s: _Sharder, node):
+    """Stacking equally placed tensors (Zamba's per-head states) adds an unsharded dim."""
+    p = _common_placement(s, node, node.args[0])
     if not isinstance(p, Shard):
         return p
     dim = (node.args[1] if len(node.args) > 1 else 0) % len(_shape(node))
