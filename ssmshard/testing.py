@@ -22,19 +22,23 @@ def randomize_weights(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     comparison against them could pass with the mixer broken. Here projections are scaled
     by 1/sqrt(fan_in), norms jitter around one, A spans decay rates 1..16 and time steps span
     1e-3..0.5, so scans carry real state across many tokens.
+
+    Values are drawn on the device the weights live on (a billion-parameter model on a GPU is
+    redrawn in well under a second; on the CPU the values are those of earlier versions).
     """
-    gen = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
 
     def randn(shape, std=1.0):
-        return torch.randn(shape, generator=gen) * std
+        return torch.randn(shape, generator=gen, device=device) * std
 
     for name, param in model.named_parameters():
         leaf = name.rsplit(".", 1)[-1]
         shape = param.shape
         if leaf == "A_log":
-            value = torch.log(torch.empty(shape).uniform_(1.0, 16.0, generator=gen))
+            value = torch.log(torch.empty(shape, device=device).uniform_(1.0, 16.0, generator=gen))
         elif leaf in ("dt_bias", "dt_proj_bias") or name.endswith("dt_proj.bias"):
-            dt = torch.exp(torch.empty(shape).uniform_(math.log(1e-3), math.log(0.5), generator=gen))
+            dt = torch.exp(torch.empty(shape, device=device).uniform_(math.log(1e-3), math.log(0.5), generator=gen))
             value = dt + torch.log(-torch.expm1(-dt))  # inverse softplus
         elif leaf == "D":
             value = randn(shape)
