@@ -181,6 +181,9 @@ BATCH_CASES = {
     # state size 1, no gate / bias / softplus: raw dt around 0.2, the negative ones clamped to 0
     "n1_plain": dict(shape=dict(b=1, l=23, h=2, p=4, g=1, n=1, D="h", z=False, bias=False,
                                 dt_scale=0.3, dt_shift=0.2), chunk=8, options={}, final=True),
+    # rows shorter than the chunk, of a length that is no power of two
+    "short_rows": dict(shape=dict(b=3, l=21, h=2, p=4, g=1, n=8, D="h"), chunk=64,
+                       options=dict(dt_softplus=True), final=True),
     # state size 128, no D, out only (no final states)
     "n128": dict(shape=dict(b=1, l=20, h=2, p=4, g=2, n=128, D=None, init=1), chunk=16,
                  options=dict(dt_softplus=True), final=False),
@@ -239,6 +242,25 @@ def test_bf16_packed_matches_sequential(fresh_seed):
     lengths = packed_lengths(chunk)[:4]
     inputs = make_inputs(1, sum(lengths), 2, 8, 2, 16, D="hp", init=len(lengths), dtype=torch.bfloat16)
     check_against_sequential(inputs, chunk, dict(dt_softplus=True), BF16_TOL, BF16_TOL, cu_seqlens=cu_from(lengths))
+
+
+def test_short_rows_share_a_power_of_two_chunk(monkeypatch):
+    """Rows shorter than the chunk run with the chunk cut to the next power of two: the chunk
+    size keys the autotuner, so a length mix must not bring one tuning per distinct length."""
+    from ssmshard.kernels import ssd_scan as module
+
+    seen = []
+
+    class RecordingTable(module.ChunkTable):
+        def __init__(self, cu_seqlens, n_tokens, chunk_size):
+            seen.append(chunk_size)
+            super().__init__(cu_seqlens, n_tokens, chunk_size)
+
+    monkeypatch.setattr(module, "ChunkTable", RecordingTable)
+    for length in (5, 17, 21, 32, 33, 200):
+        inputs = make_inputs(1, length, 2, 4, 1, 8, D=None, z=False, bias=False)
+        ssd_scan(**{k: v for k, v in inputs.items() if v is not None}, chunk_size=64)
+    assert seen == [16, 32, 32, 32, 64, 64]
 
 
 def test_final_state_gradient_alone(fresh_seed):

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from ssmshard.kernels.ssd_scan_bwd import ssd_backward
 from ssmshard.kernels.ssd_scan_fwd import dt_kwargs, ssd_forward
-from ssmshard.kernels.ssd_triton_common import INTERPRET, ChunkTable
+from ssmshard.kernels.ssd_triton_common import INTERPRET, ChunkTable, next_pow2
 
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_HEADDIM = 128
@@ -52,8 +52,11 @@ class _SSDScan(torch.autograd.Function):
         g, n = B.shape[-2:]
         n_tok = bsz * l
         if cu_seqlens is None:
-            # Row r is sequence r; a chunk longer than the rows would only pad.
-            chunk_size = min(chunk_size, l)
+            # Row r is sequence r; a chunk longer than the rows would only pad. Rounded up to a
+            # power of two, which pads no more than the kernels' power-of-two blocks do anyway:
+            # chunk_size is an autotuning key, and training on a mix of short lengths would
+            # otherwise autotune every kernel again for every distinct length.
+            chunk_size = min(chunk_size, next_pow2(l))
             cu_seqlens = torch.arange(0, n_tok + 1, l, device=x.device, dtype=torch.int32)
         table = ChunkTable(cu_seqlens, n_tok, chunk_size)
         dt_args = dt_kwargs(dt_bias, dt_softplus, dt_min, dt_max)
