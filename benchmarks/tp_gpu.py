@@ -70,15 +70,15 @@ def mamba_2p8b_config():
 
 
 @torch.no_grad()
-def _init_on_gpu(model, seed=0):
-    """O(1)-effect random weights drawn on the GPU (same on every rank: same seed)."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+def _init_on_gpu(model, seed=0, device="cuda"):
+    """O(1)-effect random weights drawn on ``device`` (same on every rank: same seed)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
         leaf = name.rsplit(".", 1)[-1]
         if leaf == "A_log":
-            param.copy_(torch.log(torch.arange(1, param.shape[-1] + 1, device="cuda")).expand_as(param))
+            param.copy_(torch.log(torch.arange(1, param.shape[-1] + 1, device=device)).expand_as(param))
         elif name.endswith("dt_proj.bias"):
-            dt = torch.exp(torch.empty(param.shape, device="cuda").uniform_(math.log(1e-3), math.log(0.1), generator=gen))
+            dt = torch.exp(torch.empty(param.shape, device=device).uniform_(math.log(1e-3), math.log(0.1), generator=gen))
             param.copy_(dt + torch.log(-torch.expm1(-dt)))
         elif leaf == "D" or "norm" in name:
             param.fill_(1.0)

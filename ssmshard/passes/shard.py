@@ -120,6 +120,7 @@ class _Sharder:
                 spec = inputs[node.name]
                 if spec.kind == "user":
                     placement = self.input_placements.get(user_index, REPLICATE)
+                    self._localize_range(user_index, placement)
                     user_index += 1
                 else:
                     placement = self.weights.get(spec.target, REPLICATE)
@@ -135,6 +136,14 @@ class _Sharder:
             if node.op != "call_function":
                 continue
             self.visit(node)
+
+    def _localize_range(self, user_index, placement):
+        """A sharded user input (decode's state inputs) arrives with its local size: the range
+        the program admits must say so, or every call would miss the shape-bucket cache and
+        capture a new sibling (each decode step, at tp > 1)."""
+        key = (user_index, getattr(placement, "dim", None))
+        if isinstance(placement, Shard) and self.program.ranges.get(key) == (placement.global_size,) * 2:
+            self.program.ranges[key] = (placement.local_size,) * 2
 
     def visit(self, node):
         if node.target is aten._assert_tensor_metadata.default:
