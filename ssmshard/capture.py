@@ -11,6 +11,9 @@ Three modes, each a pure function of its inputs (weights are graph inputs too):
                  (states: per-layer conv/SSM/KV)
 * ``decode``:   ``(input_ids[b, 1], attention_mask[b, past+1], position_ids[b, 1], states)
                  -> (logits, states)``
+* ``chunk``:    ``(input_ids[b, l], attention_mask[b, past+l], position_ids[b, l], states)
+                 -> (last logits, states)``: prefill continued from states, so a long prompt
+                 can be prefilled chunk by chunk (``runtime.generate.prefill``)
 
 Prefill and decode see the inputs Hugging Face ``generate`` builds for each step (left
 padding masks, position ids), so they decode token for token like it.
@@ -40,11 +43,13 @@ import torch
 from torch.export import Dim
 
 from .families import cache_kwarg, family_of
-from .hf_shims import swapped_kernel_functions
+from .hf_shims import continued_scans, swapped_kernel_functions
 from .packed_capture import PackedForward, check_packable, example_cu_seqlens, verify_packed_graph
 from .program import Program, StateSpec, unpadded_mask_and_positions
 
-MODES = ("forward", "prefill", "decode")
+MODES = ("forward", "prefill", "decode", "chunk")
+# Modes whose programs take the state tensors as inputs.
+STATEFUL_MODES = ("decode", "chunk")
 # Attributes of HF cache layers that hold state tensors, in the order states are flattened.
 # A tensor or an {index: tensor} dict (linear-attention layers keep several numbered states).
 _STATE_ATTRS = (("keys", "key"), ("values", "value"), ("conv_states", "conv"), ("recurrent_states", "ssm"))
@@ -67,10 +72,15 @@ def _generation_inputs(model, input_ids, attention_mask, position_ids, first: bo
     token-for-token identical to HF generate. ``position_ids`` reach only models that take them.
     """
     kwargs = dict(attention_mask=attention_mask, use_cache=True, is_first_iteration=first, **extra)
-    if "position_ids" in inspect.signature(model.forward).parameters:
+    parameters = inspect.signature(model.forward).parameters
+    if "position_ids" in parameters:
         kwargs["position_ids"] = position_ids
     inputs = model.prepare_inputs_for_generation(input_ids, **kwargs)
     inputs["return_dict"] = True
+    if "logits_to_keep" in parameters:
+        # Generation reads the last position only: a long prompt's (l, vocab) logits would
+        # otherwise be the largest activation of the prefill.
+        inputs["logits_to_keep"] = 1
     return inputs
 
 
@@ -103,6 +113,40 @@ class _Decode(torch.nn.Module):
                                     next_sequence_length=1, **{self.cache_kwarg: cache})
         out = self.model(**inputs)
         return out.logits, *flatten_states(cache)
+
+
+class _Chunk(_Decode):
+    """``(input_ids[b, l], attention_mask[b, past + l], position_ids[b, l], states) -> (last logits, *states)``.
+
+    Prefill continued from the states of the tokens before it. HF's own step logic covers
+    attention (keys/values appended to the cache), the conv (its cache prepends the previous
+    inputs) and Mamba-2 scans (which take the recurrent state); Mamba-1 scans are handed their
+    state through ``hf_shims.continued_scans``.
+    """
+
+    def __init__(self, model, cache_kwarg, template, mamba1_scans: bool, own_mask: bool):
+        super().__init__(model, cache_kwarg, template)
+        self.own_mask = own_mask
+        slots = list(_state_slots(template))
+        self.ssm_slots = [i for i, (_, kind, _, _) in enumerate(slots) if kind == "ssm"] if mamba1_scans else []
+
+    def forward(self, input_ids, attention_mask, position_ids, states):
+        cache = rebuild_cache(self.template, states)
+        inputs = _generation_inputs(self.model, input_ids, attention_mask, position_ids, False,
+                                    next_sequence_length=input_ids.shape[1], **{self.cache_kwarg: cache})
+        if self.own_mask:
+            # SSM-only models drop the mask after the first step (a decode token is never a
+            # pad), but a chunk can hold pads: their mixers zero them with the chunk's own mask.
+            inputs["attention_mask"] = attention_mask[:, -input_ids.shape[1]:]
+        # One new token takes HF's decode-step path, which reads the states itself.
+        scanned = [] if input_ids.shape[1] == 1 else [states[i] for i in self.ssm_slots]
+        with continued_scans(scanned):
+            out = self.model(**inputs)
+        return out.logits[:, -1:], *flatten_states(cache)
+
+
+# Families whose HF mixers run Mamba-1 scans without passing the recurrent state (see _Chunk).
+_MAMBA1_SCAN_FAMILIES = ("mamba", "falcon_mamba", "zamba")
 
 
 def _state_slots(cache):
@@ -202,7 +246,7 @@ def capture(model, *, mode: str = "forward", packed: bool = False, example_batch
     the conv kernel; attention treats a one-token past specially), export narrows the range,
     and the program's shape-bucket cache captures a sibling graph the first time a shape
     outside it arrives, replaying the same pass pipeline on it. ``example_*`` size the trace
-    (``example_seq`` is the past length for decode).
+    (``example_seq`` is the past length for decode; for chunk, both the new and the past length).
 
     ``packed=True`` (forward only) captures a program over packed sequences: called with a
     :class:`~ssmshard.packing.PackedBatch` from ``ssmshard.pack`` (or ``input_ids`` (1, T) and
@@ -234,9 +278,10 @@ def _recapture(model, family, program, user_inputs) -> Program:
     # Batch 1 would make export specialise the batch dim; every program serves batch >= 1
     # already, so lengths are what a sibling is traced for.
     batch, seq = max(2, ids.shape[0]), ids.shape[1]
+    past = user_inputs[1].shape[1] - seq if program.mode in STATEFUL_MODES else 0  # the mask covers past + seq
     if program.mode == "decode":
-        seq = user_inputs[1].shape[1] - 1  # the mask covers past + 1 tokens
-    sibling = _capture_one(model, family, program.mode, batch, seq, program.packed)
+        seq = past  # decode's example length is its past
+    sibling = _capture_one(model, family, program.mode, batch, seq, program.packed, example_past=past)
     from .passes import replay
 
     sibling = replay(sibling, program.history)
@@ -246,7 +291,7 @@ def _recapture(model, family, program, user_inputs) -> Program:
     return sibling
 
 
-def _capture_one(model, family, mode, example_batch, example_seq, packed=False) -> Program:
+def _capture_one(model, family, mode, example_batch, example_seq, packed=False, example_past=None) -> Program:
     cache_kw = cache_kwarg(model)
     device = _model_device(model)
     with _capture_context(model, family):
@@ -274,20 +319,27 @@ def _capture_one(model, family, mode, example_batch, example_seq, packed=False) 
             seq = Dim.AUTO
             dynamic = ({0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch, 1: seq})
         else:
-            wrapper = _Decode(model, cache_kw, state_template)
+            # decode: one new token after example_seq; chunk: example_seq new tokens after example_past.
+            new_tokens, past = (1, example_seq) if mode == "decode" else (example_seq, example_past or example_seq)
+            if mode == "decode":
+                wrapper = _Decode(model, cache_kw, state_template)
+            else:
+                wrapper = _Chunk(model, cache_kw, state_template, family.name in _MAMBA1_SCAN_FAMILIES,
+                                 own_mask=not family.has_attention)
             states, dynamic_states = [], []
             for tensor, (_, kind, _, _) in zip(flatten_states(state_template), _state_slots(state_template)):
                 shape = list(tensor.shape)
                 shape[0] = example_batch
                 dims = {0: batch}
                 if kind in ("key", "value"):  # (b, kv_heads, past, head_dim)
-                    shape[2] = example_seq
+                    shape[2] = past
                     dims[2] = Dim.AUTO  # a named Dim trips an unprovable stride guard in HF attention
                 states.append(torch.zeros(shape, dtype=tensor.dtype, device=device))
                 dynamic_states.append(dims)
-            ids = _example_ids(model, example_batch, 1, device)
-            args = (ids, *unpadded_mask_and_positions(ids, example_seq), states)
-            dynamic = ({0: batch}, {0: batch, 1: Dim.AUTO}, {0: batch}, dynamic_states)
+            ids = _example_ids(model, example_batch, new_tokens, device)
+            args = (ids, *unpadded_mask_and_positions(ids, past), states)
+            new = {0: batch} if mode == "decode" else {0: batch, 1: Dim.AUTO}
+            dynamic = (new, {0: batch, 1: Dim.AUTO}, new, dynamic_states)
         try:
             exported = torch.export.export(wrapper, args, dynamic_shapes=dynamic, strict=False)
         except torch._dynamo.exc.UserError:

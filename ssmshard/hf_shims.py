@@ -20,6 +20,14 @@ what they do with it). So the packed capture wrapper puts the graph's ``cu_seqle
 in a context variable for the duration of the trace (``packed_sequences``), and every scan
 and conv shim passes it to its op: each of those graph nodes then takes ``cu_seqlens`` as an
 input. Decode-step shims refuse to run under packing.
+
+Continued prefill (chunked prefill): HF's Mamba-1 mixers (Mamba, Falcon-Mamba, Zamba) call the
+full-sequence scan without the layer's recurrent state, so a prompt processed in chunks would
+restart every chunk from zero (Mamba-2 mixers pass ``initial_states`` themselves, and HF's
+conv cache already prepends the previous chunk's inputs). The chunk capture wrapper therefore
+queues each Mamba-1 layer's state, in layer order, in a context variable
+(``continued_scans``); the scan shim takes the next one as the op's ``initial_state`` (one
+head of it per call for Zamba's per-head scans), and the wrapper checks every state was used.
 """
 
 from __future__ import annotations
@@ -64,6 +72,52 @@ def _packed_cu_seqlens(kwargs, what):
     return _PACKED_CU_SEQLENS.get()
 
 
+class _ScanStateQueue:
+    """Recurrent states of the Mamba-1 layers, in the order their scans are traced."""
+
+    def __init__(self, states):
+        self.states = list(states)
+        self.layer = 0
+        self.head = 0
+
+    def next_for(self, u: torch.Tensor) -> torch.Tensor:
+        if self.layer >= len(self.states):
+            raise RuntimeError(f"a continued prefill traced more Mamba-1 scans than the {len(self.states)} "
+                               "recurrent states it was given: a capture bug, please report the model class")
+        state = self.states[self.layer]
+        if state.dim() == 4:  # Zamba: (b, heads, channels, N), one scan per head
+            taken = state[:, self.head]
+            self.head += 1
+            if self.head == state.shape[1]:
+                self.layer, self.head = self.layer + 1, 0
+        else:  # (b, channels, N)
+            taken, self.layer = state, self.layer + 1
+        if taken.shape[:2] != u.shape[:2]:
+            raise RuntimeError(f"continued prefill: recurrent state {tuple(taken.shape)} does not fit the "
+                               f"scan input {tuple(u.shape)}: a capture bug, please report the model class")
+        return taken
+
+    def check_consumed(self):
+        if self.layer != len(self.states) or self.head:
+            raise RuntimeError(f"a continued prefill used {self.layer} of {len(self.states)} recurrent states: "
+                               "a capture bug, please report the model class")
+
+
+_CONTINUED_SCANS: contextvars.ContextVar = contextvars.ContextVar("ssmshard_continued_scans", default=None)
+
+
+@contextlib.contextmanager
+def continued_scans(states):
+    """Within the block, Mamba-1 scan shims start from ``states`` (one per layer, in order)."""
+    queue = _ScanStateQueue(states)
+    token = _CONTINUED_SCANS.set(queue)
+    try:
+        yield
+        queue.check_consumed()
+    finally:
+        _CONTINUED_SCANS.reset(token)
+
+
 def _refuse_under_packing(what):
     if _PACKED_CU_SEQLENS.get() is not None:
         raise NotImplementedError(f"{what} (a decode step) is not supported with packed sequences; "
@@ -85,8 +139,10 @@ def causal_conv1d_update(hidden_states, conv_state, weight, bias=None, activatio
 def mamba_selective_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None,
                          delta_softplus=False, return_last_state=False, **kwargs):
     cu_seqlens = _packed_cu_seqlens(kwargs, "selective_scan")
+    queue = _CONTINUED_SCANS.get()
+    initial_state = None if queue is None else queue.next_for(hidden_states)
     out, last_state = _ssm.selective_scan(hidden_states, dt, A, B, C, D, z, delta_bias,
-                                          bool(delta_softplus), None, cu_seqlens)
+                                          bool(delta_softplus), initial_state, cu_seqlens)
     return (out, last_state) if return_last_state else out
 
 

@@ -224,7 +224,7 @@ class Program:
         return "; ".join(parts[:4]) + (" ..." if len(parts) > 4 else "")
 
     def __call__(self, input_ids, states=None, *, attention_mask=None, position_ids=None, cu_seqlens=None):
-        """forward: ``logits``; prefill/decode: ``(logits, states)``.
+        """forward: ``logits``; prefill/decode/chunk: ``(logits, states)``.
 
         ``input_ids`` may be a :class:`~ssmshard.packing.PackedBatch` (or come with
         ``cu_seqlens=``) for a packed program; a program captured without packing refuses
@@ -241,9 +241,10 @@ class Program:
             user = [input_ids]
         else:
             refuse_packing_info(self.mode, input_ids, cu_seqlens)  # positions are an input here
-            states = _require_states(states) if self.mode == "decode" else []
+            stateful = self.mode in ("decode", "chunk")
+            states = _require_states(states) if stateful else []
             if attention_mask is None:
-                past = self.past_length(states) if self.mode == "decode" else 0
+                past = self.past_length(states) if stateful else 0
                 attention_mask, default_positions = unpadded_mask_and_positions(input_ids, past)
                 position_ids = default_positions if position_ids is None else position_ids
             elif position_ids is None:

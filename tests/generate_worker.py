@@ -9,6 +9,7 @@ import ssmshard
 from ssmshard.capture import flatten_states
 from ssmshard.families import cache_kwarg
 from ssmshard.placement import Shard
+from ssmshard.testing import rel_err
 
 from conftest import small_model
 
@@ -33,7 +34,8 @@ def _same_on_every_rank(tensor):
     return all(torch.equal(g, tensor) for g in gathered)
 
 
-def generate_results(rank, world, families, seed, out_path, sampling_families=("mamba2", "zamba2")):
+def generate_results(rank, world, families, seed, out_path, sampling_families=("mamba2", "zamba2"),
+                     chunked_families=("mamba", "zamba", "zamba2")):
     results = []
     for family in families:
         model = small_model(family)
@@ -58,6 +60,20 @@ def generate_results(rank, world, families, seed, out_path, sampling_families=("
                              "global": g, "even": isinstance(p, Shard) and all(s.pieces == world for s in p.segments)}
                             for t, p, g in zip(local_states, dm.state_placements(), global_shapes)]
         result["state_kinds"] = [spec.kind for spec in local_prefill.state_specs]
+        if family in chunked_families:
+            # Chunked prefill on this rank's shards: the same logits and local states as one
+            # shot, and the same generated tokens.
+            whole_logits, whole_states = dm.prefill(ids, mask)
+            logits, states = dm.prefill(ids, mask, chunk_size=4)
+            kinds = [spec.kind for spec in local_prefill.state_specs]
+            real = mask.bool()[:, None, :, None]  # keys/values of pads are never read
+            result["chunked_logits_err"] = rel_err(logits, whole_logits)
+            result["chunked_state_errs"] = [
+                rel_err(a[real.expand_as(a)], b[real.expand_as(b)]) if kind in ("key", "value") else rel_err(a, b)
+                for a, b, kind in zip(states, whole_states, kinds)]
+            chunked = dm.generate(ids, mask, max_new_tokens=20, eos_token_id=eos, pad_token_id=PAD,
+                                  prefill_chunk_size=4)
+            result["chunked_generate_equal"] = torch.equal(chunked, ours)
         if family in sampling_families:
             # Sampling with a seed: the same tokens on every rank, and HF's own sampled tokens
             # (one multinomial draw per step from the same stream, after the same warpers).
@@ -75,3 +91,17 @@ def generate_results(rank, world, families, seed, out_path, sampling_families=("
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)
+
+
+def graphed_vs_eager(rank, world, family, seed, out_path):
+    """Greedy tokens of eager and CUDA-graph decoding (twice: capture, then replay) on GPUs."""
+    model = small_model(family).cuda()
+    dm = ssmshard.parallelize(model, ssmshard.Plan(tp=world))
+    ids, mask = left_padded_prompts(model.config.vocab_size, (5, 12, 9), seed)
+    ids, mask = ids.cuda(), mask.cuda()
+    eager = dm.generate(ids, mask, max_new_tokens=20, pad_token_id=PAD, cuda_graph=False)
+    graphed = dm.generate(ids, mask, max_new_tokens=20, pad_token_id=PAD, cuda_graph=True)
+    again = dm.generate(ids, mask, max_new_tokens=20, pad_token_id=PAD, cuda_graph=True)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({"eager": eager.tolist(), "graphed": graphed.tolist(), "again": again.tolist()}, f)

@@ -18,7 +18,8 @@ def test_generate_matches_hf_generate_and_states_are_sharded(tp, tmp_path, fresh
     """Greedy: exactly HF's tokens for 3 left-padded prompts of different lengths, 20 new tokens,
     all six families. Sampling with a fixed seed (Mamba-2 and Zamba2, to keep the test short):
     the same tokens on every rank and as HF's sampling from the same seed (so tp = 2, 4 equal
-    tp = 1 too). Each rank's SSM/KV state tensors hold 1/tp of the channels or heads."""
+    tp = 1 too). Each rank's SSM/KV state tensors hold 1/tp of the channels or heads. Chunked
+    prefill (Mamba, Zamba, Zamba2) gives each rank the local states and logits of one shot."""
     out = tmp_path / "generate.json"
     ssmshard.launch(generate_worker.generate_results, tp, SIX_FAMILIES, fresh_seed, str(out))
     results = json.loads(out.read_text())
@@ -27,6 +28,10 @@ def test_generate_matches_hf_generate_and_states_are_sharded(tp, tmp_path, fresh
         where = f"{r['family']} tp={tp} (seed {fresh_seed})"
         assert r["greedy_equal_hf"], f"{where}: ours {r['ours']} vs HF {r['hf']}"
         assert r["greedy_same_on_all_ranks"], where
+        if "chunked_logits_err" in r:  # prefill in chunks of 4 on this rank's shards
+            assert r["chunked_logits_err"] < 1e-5, (where, r["chunked_logits_err"])
+            assert max(r["chunked_state_errs"]) < 1e-5, (where, r["chunked_state_errs"])
+            assert r["chunked_generate_equal"], where
         if "sampled_equal_hf" in r:
             assert r["sampled_same_on_all_ranks"], where
             assert r["sampled_equal_hf"], f"{where}: ours {r['sampled']} vs HF {r['hf_sampled']}"

@@ -17,6 +17,7 @@ Tolerances (fp32, max |diff| / max |reference|, as everywhere in ssmshard):
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import random
@@ -29,6 +30,7 @@ from ssmshard import hf_shims
 from ssmshard.kernels import reference
 from ssmshard.packed_capture import verify_packed_graph
 from ssmshard.packing import pack
+from ssmshard.passes import run_pipeline
 from ssmshard.testing import rel_err
 
 import tp_worker
@@ -208,9 +210,13 @@ def _with_fresh_leaves(program):
     return program.weights
 
 
-@pytest.mark.parametrize("family", ["mamba", "mamba2", "zamba2", "llama"])
+PACKED_FAMILIES = ["mamba", "mamba2", "zamba2", "llama"]
+
+
+@pytest.mark.parametrize("family", PACKED_FAMILIES)
 def test_packed_program_equals_each_sequence_alone(family, fresh_seed):
-    """Logits and every parameter gradient (sum of per-sequence losses vs the packed loss).
+    """Logits and every parameter gradient (sum of per-sequence losses vs the packed loss), on
+    the reference ops.
 
     Gradients: max |diff| / max |reference| over the whole gradient vector (all parameters) at
     1e-5, and per parameter tensor at 1e-4. Per tensor, gradients that are long cancelling sums
@@ -219,13 +225,28 @@ def test_packed_program_equals_each_sequence_alone(family, fresh_seed):
     across a boundary moves gradients by O(1). The per-tensor bound keeps a small-gradient
     parameter from hiding behind the large ones.
     """
-    model = small_model(family)
-    unpacked, packed = programs(family)
+    _check_packed_equals_each_sequence_alone(family, small_model(family), *programs(family), fresh_seed)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on a GPU")
+@pytest.mark.parametrize("family", PACKED_FAMILIES)
+def test_packed_program_on_the_kernels_equals_each_sequence_alone(family, fresh_seed):
+    """The same check with the programs on the GPU and the Triton kernels swapped in (fp32)."""
+    model = copy.deepcopy(small_model(family)).cuda()
+    swap = [("swap_kernels", {"kernels": "triton"})]
+    unpacked, packed = (run_pipeline(ssmshard.capture(model, packed=p), swap) for p in (False, True))
+    if family != "llama":
+        assert packed.kernel_report and all(r["kernel"] == "triton" for r in packed.kernel_report), \
+            packed.kernel_report
+    _check_packed_equals_each_sequence_alone(family, model, unpacked, packed, fresh_seed, device="cuda")
+
+
+def _check_packed_equals_each_sequence_alone(family, model, unpacked, packed, fresh_seed, device="cpu"):
     chunk = getattr(model.config, "chunk_size", 16)  # Mamba-2 / Zamba2 chunk edge; 16 elsewhere
     lengths = random_lengths(random.Random(fresh_seed), chunk)
-    sequences = [torch.randint(0, model.config.vocab_size, (n,)) for n in lengths]
+    sequences = [torch.randint(0, model.config.vocab_size, (n,)).to(device) for n in lengths]
     batch = pack(sequences)
-    loss_weights = torch.randn(1, batch.input_ids.shape[1], model.config.vocab_size)
+    loss_weights = torch.randn(1, batch.input_ids.shape[1], model.config.vocab_size).to(device)
 
     packed_weights = _with_fresh_leaves(packed)
     logits = packed(batch)
@@ -237,8 +258,8 @@ def test_packed_program_equals_each_sequence_alone(family, fresh_seed):
     # per-sequence losses.
     unpacked_weights = _with_fresh_leaves(unpacked)
     longest = max(lengths)
-    rows = torch.randint(0, model.config.vocab_size, (len(lengths), longest))  # (S, L_max)
-    row_weights = torch.zeros(len(lengths), longest, model.config.vocab_size)
+    rows = torch.randint(0, model.config.vocab_size, (len(lengths), longest)).to(device)  # (S, L_max)
+    row_weights = torch.zeros(len(lengths), longest, model.config.vocab_size, device=device)
     for s, (ids, w) in enumerate(zip(sequences, batch.unpack(loss_weights))):
         rows[s, :len(ids)] = ids
         row_weights[s, :len(ids)] = w[0]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,8 @@ class DistributedModule(torch.nn.Module):
         self._model = model  # captured again (prefill/decode) on the first generate(); may be on meta
         self._shard_options = shard_options
         self._generation = None
+        self._decode_graphs = {}  # batch size -> GraphedDecode
+        self._warned_eager_decode = False
         self._names = {}
         for index, (fqn, tensor) in enumerate(weights.items()):
             name = f"w{index}"
@@ -115,35 +118,95 @@ class DistributedModule(torch.nn.Module):
             if self._model is None:
                 raise RuntimeError("this DistributedModule was built without its model; generation needs it")
             prefill = _sharded(capture(self._model, mode="prefill"), self._model, self.plan, self._shard_options)
-            states = prefill.shard["outputs"][1:]
-            inputs = {3 + i: p for i, p in enumerate(states)}  # after input_ids, attention_mask, position_ids
-            decode = _sharded(capture(self._model, mode="decode"), self._model, self.plan,
-                              {**self._shard_options, "input_placements": inputs})
-            returned = decode.shard["outputs"][1:]
-            for i, (given, back) in enumerate(zip(states, returned)):
-                if not same_data(given, back):
-                    raise ShardingError(f"decode returns state {i} ({decode.state_specs[i]}) as {back} "
-                                        f"but takes it as {given}")
-            self._generation = prefill, decode
+            self._generation = {"prefill": prefill, "decode": self._stateful_program("decode", prefill)}
+        return self._bound(self._generation["prefill"]), self._bound(self._generation["decode"])
+
+    def chunk_program(self):
+        """This rank's chunked-prefill program (prefill continued from states), on first use."""
+        prefill, _ = self.generation_programs()
+        if "chunk" not in self._generation:
+            self._generation["chunk"] = self._stateful_program("chunk", prefill)
+        return self._bound(self._generation["chunk"])
+
+    def _stateful_program(self, mode, prefill):
+        """A program taking the states as prefill places them, checked to return them alike."""
+        states = prefill.shard["outputs"][1:]
+        inputs = {3 + i: p for i, p in enumerate(states)}  # after input_ids, attention_mask, position_ids
+        program = _sharded(capture(self._model, mode=mode), self._model, self.plan,
+                           {**self._shard_options, "input_placements": inputs})
+        returned = program.shard["outputs"][1:]
+        for i, (given, back) in enumerate(zip(states, returned)):
+            if not same_data(given, back):
+                raise ShardingError(f"{mode} returns state {i} ({program.state_specs[i]}) as {back} "
+                                    f"but takes it as {given}")
+        return program
+
+    def _bound(self, program):
+        """``program`` reading this module's current local weights."""
         weights = self._local_weights()
-        for program in self._generation:
-            # Constants lifted by export (e.g. a rotary table) belong to each program itself.
-            program.weights = {fqn: weights[fqn] if fqn in weights else
-                               _local_part(program.constants[fqn], spec.placement, self.rank)
-                               for fqn, spec in program.param_specs.items()}
-        return self._generation
+        # Constants lifted by export (e.g. a rotary table) belong to each program itself.
+        program.weights = {fqn: weights[fqn] if fqn in weights else
+                           _local_part(program.constants[fqn], spec.placement, self.rank)
+                           for fqn, spec in program.param_specs.items()}
+        return program
 
     def state_placements(self):
         """Placement of each state tensor of the cache (see ``generation_programs``)."""
         return self.generation_programs()[0].shard["outputs"][1:]
 
-    def generate(self, input_ids, attention_mask=None, **options):
+    def prefill(self, input_ids, attention_mask=None, *, chunk_size=None):
+        """``(last-token logits, states)`` of a (left-padded) prompt batch; with ``chunk_size``,
+        chunk by chunk (see :func:`ssmshard.runtime.generate.prefill`)."""
+        from .generate import prefill, prompt_inputs
+
+        prefill_program, _ = self.generation_programs()
+        chunk = self.chunk_program() if chunk_size is not None and input_ids.shape[1] > chunk_size else None
+        mask, positions = prompt_inputs(input_ids, attention_mask)
+        with torch.no_grad():
+            return prefill(prefill_program, chunk, input_ids, mask, positions, chunk_size)
+
+    def generate(self, input_ids, attention_mask=None, *, prefill_chunk_size=None, cuda_graph="auto", **options):
         """Hugging Face ``generate`` semantics on this rank (every rank returns the same ids):
-        see :func:`ssmshard.runtime.generate.generate` for the options."""
+        see :func:`ssmshard.runtime.generate.generate` for the options.
+
+        ``prefill_chunk_size``: prefill longer prompts chunk by chunk, bounding activation
+        memory by the chunk. ``cuda_graph``: replay the decode step as a CUDA graph over static
+        per-rank state buffers (``ssmshard.runtime.cuda_graph``); ``"auto"`` does where the
+        weights are on CUDA and the model's states have fixed shapes (SSM-only models), and
+        warns once where they do not; ``True`` raises instead.
+        """
         from .generate import generate
 
         prefill, decode = self.generation_programs()
-        return generate(prefill, decode, input_ids, attention_mask, group=_group_of(self.program), **options)
+        chunk = self.chunk_program() if prefill_chunk_size is not None and input_ids.shape[1] > prefill_chunk_size \
+            else None
+        step = self._graphed_decode(decode, input_ids.shape[0], cuda_graph) or decode
+        return generate(prefill, step, input_ids, attention_mask, group=_group_of(self.program),
+                        chunk_program=chunk, prefill_chunk_size=prefill_chunk_size, **options)
+
+    def _graphed_decode(self, decode, batch, cuda_graph):
+        """The CUDA-graph decode step for ``batch`` rows, or None to decode eagerly."""
+        from .cuda_graph import GraphedDecode, why_not_graphable
+
+        if cuda_graph not in (True, False, "auto"):
+            raise ValueError(f"cuda_graph must be True, False or 'auto', got {cuda_graph!r}")
+        if cuda_graph is False:
+            return None
+        weights = self._local_weights()
+        on_cuda = all(w.is_cuda for w in weights.values())
+        reason = why_not_graphable(decode) if on_cuda else "the weights are not on a CUDA device"
+        if reason is not None:
+            if cuda_graph is True:
+                raise ValueError(f"cuda_graph=True: the decode step cannot be a CUDA graph: {reason}; "
+                                 "pass cuda_graph=False")
+            if on_cuda and not self._warned_eager_decode:
+                warnings.warn(f"decoding eagerly (one kernel launch at a time): {reason}", stacklevel=3)
+                self._warned_eager_decode = True
+            return None
+        graphed = self._decode_graphs.get(batch)
+        if graphed is None or not graphed.reads_weights(weights):
+            graphed = self._decode_graphs[batch] = GraphedDecode(decode)
+        return graphed
 
 
 def parallelize(model, plan: Plan, *, group=None, device_mesh=None, checkpoint=None, device=None,

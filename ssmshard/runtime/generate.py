@@ -45,18 +45,40 @@ def _check_options(max_new_tokens, temperature, top_k, top_p):
         raise ValueError(f"top_k must be >= 0, got {top_k}")
 
 
-@torch.no_grad()
-def generate(prefill, decode, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, *,
-             max_new_tokens: int = 20, do_sample: bool = False, temperature: float = 1.0,
-             top_k: Optional[int] = None, top_p: Optional[float] = None,
-             eos_token_id: Union[int, Sequence[int], None] = None, pad_token_id: Optional[int] = None,
-             generator: Optional[torch.Generator] = None, group=None) -> torch.Tensor:
-    """Prompt ids (b, l), left-padded where ``attention_mask`` (b, l) is 0, followed by up to
-    ``max_new_tokens`` generated ids: (b, l + n), like ``model.generate``.
+def chunk_bounds(length: int, chunk_size: int) -> list[tuple[int, int]]:
+    """[start, end) of each prefill chunk: the first takes the remainder (2..chunk_size + 1
+    tokens), every later one exactly ``chunk_size``, so continued chunks share one shape. No
+    chunk is a single token: HF runs one token through its decode-step path, and its padding
+    mask skips one-token inputs."""
+    first = length - chunk_size * ((length - 1) // chunk_size)
+    if first == 1 and length > 1:
+        first += chunk_size
+    return [(0, first)] + [(start, start + chunk_size) for start in range(first, length, chunk_size)]
 
-    Sampling draws from ``generator`` (default: torch's global generator) on rank 0 only.
+
+def prefill(prefill_program, chunk_program, input_ids, attention_mask, position_ids, chunk_size=None):
+    """``(last-token logits, states)`` of a prompt, in one call or chunk by chunk.
+
+    With ``chunk_size``, the prompt runs as a first chunk through ``prefill_program`` and the
+    rest through ``chunk_program`` carrying the states, so activation memory is bounded by
+    the chunk instead of the prompt (attention keys/values still grow with it).
     """
-    _check_options(max_new_tokens, temperature, top_k, top_p)
+    if chunk_size is not None and chunk_size < 2:
+        raise ValueError(f"prefill_chunk_size must be >= 2 tokens, got {chunk_size}")
+    if chunk_size is None or input_ids.shape[1] <= chunk_size:
+        return prefill_program(input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    (start, end), *rest = chunk_bounds(input_ids.shape[1], chunk_size)
+    logits, states = prefill_program(input_ids[:, :end], attention_mask=attention_mask[:, :end],
+                                     position_ids=position_ids[:, :end])
+    for start, end in rest:
+        logits, states = chunk_program(input_ids[:, start:end], states, attention_mask=attention_mask[:, :end],
+                                       position_ids=position_ids[:, start:end])
+    return logits, states
+
+
+def prompt_inputs(input_ids, attention_mask):
+    """HF's prompt inputs: a long mask (ones if None) and positions counting real tokens only
+    (pads sit at position 0)."""
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     if attention_mask.shape != input_ids.shape:
@@ -64,6 +86,28 @@ def generate(prefill, decode, input_ids: torch.Tensor, attention_mask: Optional[
                          f"{tuple(input_ids.shape)}")
     if attention_mask.dtype == torch.bool:
         attention_mask = attention_mask.long()
+    position_ids = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+    return attention_mask, position_ids
+
+
+@torch.no_grad()
+def generate(prefill_program, decode, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, *,
+             max_new_tokens: int = 20, do_sample: bool = False, temperature: float = 1.0,
+             top_k: Optional[int] = None, top_p: Optional[float] = None,
+             eos_token_id: Union[int, Sequence[int], None] = None, pad_token_id: Optional[int] = None,
+             generator: Optional[torch.Generator] = None, group=None, chunk_program=None,
+             prefill_chunk_size: Optional[int] = None) -> torch.Tensor:
+    """Prompt ids (b, l), left-padded where ``attention_mask`` (b, l) is 0, followed by up to
+    ``max_new_tokens`` generated ids: (b, l + n), like ``model.generate``.
+
+    Sampling draws from ``generator`` (default: torch's global generator) on rank 0 only.
+    ``prefill_chunk_size``: prefill prompts longer than this chunk by chunk through
+    ``chunk_program`` (see :func:`prefill`).
+    """
+    _check_options(max_new_tokens, temperature, top_k, top_p)
+    if prefill_chunk_size is not None and chunk_program is None:
+        raise ValueError("prefill_chunk_size needs a chunk program (capture(model, mode='chunk'))")
+    attention_mask, position_ids = prompt_inputs(input_ids, attention_mask)
     eos = [] if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
     if eos and pad_token_id is None:
         pad_token_id = eos[0]  # what HF does when the model defines no pad token
@@ -72,9 +116,8 @@ def generate(prefill, decode, input_ids: torch.Tensor, attention_mask: Optional[
     source = dist.get_global_rank(group, 0) if distributed else 0
     picks_tokens = not distributed or dist.get_rank(group) == 0
 
-    # HF: positions count real tokens; pads sit at position 0.
-    position_ids = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
-    logits, states = prefill(input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    logits, states = prefill(prefill_program, chunk_program, input_ids, attention_mask, position_ids,
+                             prefill_chunk_size)
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     for step in range(max_new_tokens):
         token = torch.empty(input_ids.shape[0], dtype=input_ids.dtype, device=input_ids.device)

@@ -1,0 +1,62 @@
+"""The decode step as a CUDA graph: which programs qualify (CPU), and on a GPU, graphed
+generation gives exactly the tokens of eager generation and of Hugging Face generate."""
+
+import pytest
+import torch
+
+import ssmshard
+from ssmshard.passes import run_pipeline
+from ssmshard.runtime.cuda_graph import GraphedDecode, why_not_graphable
+from ssmshard.runtime.generate import generate
+
+from conftest import small_model
+import generate_worker
+from generate_worker import PAD, left_padded_prompts
+
+
+@pytest.mark.parametrize("family,graphable", [("mamba", True), ("mamba2", True), ("zamba2", False), ("llama", False)])
+def test_decode_programs_with_fixed_size_states_are_graphable(family, graphable):
+    decode = ssmshard.capture(small_model(family), mode="decode")
+    reason = why_not_graphable(decode)
+    if graphable:
+        assert reason is None
+    else:
+        assert "key" in reason and "grow" in reason, reason
+        with pytest.raises(ValueError, match="cannot be replayed as a CUDA graph"):
+            GraphedDecode(decode)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("family", ["mamba", "falcon_mamba", "mamba2"])
+def test_graphed_decode_generates_the_eager_and_hf_tokens(family, fresh_seed):
+    model = small_model(family).cuda()
+    try:
+        prefill, decode = (run_pipeline(ssmshard.capture(model, mode=mode), [("swap_kernels", {"kernels": "triton"})])
+                           for mode in ("prefill", "decode"))
+        ids, mask = left_padded_prompts(model.config.vocab_size, (5, 12, 9), fresh_seed)
+        ids, mask = ids.cuda(), mask.cuda()
+        options = dict(max_new_tokens=20, pad_token_id=PAD)
+        eager = generate(prefill, decode, ids, mask, **options)
+        graphed_step = GraphedDecode(decode)
+        graphed = generate(prefill, graphed_step, ids, mask, **options)
+        again = generate(prefill, graphed_step, ids, mask, **options)  # replays the captured graph
+        with torch.no_grad():
+            hf = model.generate(ids, attention_mask=mask, do_sample=False, **options)
+    finally:
+        model.cpu()
+    where = f"{family} (seed {fresh_seed})"
+    assert torch.equal(graphed, eager), where
+    assert torch.equal(again, eager), where
+    assert torch.equal(eager, hf), where
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor-parallel CUDA graphs need 2 GPUs")
+@pytest.mark.parametrize("family", ["mamba", "mamba2"])
+def test_graphed_decode_with_nccl_all_reduces_matches_eager(family, tmp_path, fresh_seed):
+    """At tp = 2 the graph holds the NCCL all-reduces: replays give the eager tokens."""
+    import json
+
+    out = tmp_path / "tokens.json"
+    ssmshard.launch(generate_worker.graphed_vs_eager, 2, family, fresh_seed, str(out), backend="nccl")
+    tokens = json.loads(out.read_text())
+    assert tokens["graphed"] == tokens["eager"] and tokens["again"] == tokens["eager"], (family, fresh_seed)
