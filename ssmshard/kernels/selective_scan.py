@@ -70,8 +70,10 @@ class ScanConfig:
     # smaller blocks are for the CPU interpreter, where masked lanes cost real time.
     fwd_block_d: Optional[int] = None
     fwd_variant: str = "sequential"
-    par_block_d: int = 16
-    par_tokens: int = 32
+    # One channel per lane (par_block_d = 32 * par_warps) with par_tokens = 4 keeps a step's
+    # tokens and states in one thread (see selective_scan_fwd_parallel).
+    par_block_d: int = 128
+    par_tokens: int = 4
     par_warps: int = 4
 
     @property

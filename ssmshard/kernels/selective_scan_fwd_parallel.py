@@ -5,19 +5,25 @@ Dimension letters: b batch, d channels, l tokens, n state size (N_PAD: next powe
 g groups of B / C, e channels per group, T tokens of one tile, G segments of the sequence.
 
 Layout, and why: a program owns BLOCK_D channels of one batch row and walks its stretch of
-the sequence T tokens at a time. Each step is one (BLOCK_D, N_PAD, T) tile: every
-(channel, state, token) element gets its decay a = exp(dt * A) and input x = dt * u * B at
-once, and ``tl.associative_scan`` along the token axis solves h_t = a_t * h_{t-1} + x_t for
-the whole tile, with the state carried in from the previous tile folded into the first
-token's input. The sequential kernel (``selective_scan_fwd``) instead walks tokens one 16-byte
-vector at a time per thread and loops over the n state indices; here the tokens of a tile
-may spread over threads, so a program has BLOCK_D * n * T independent lanes of work per step
-rather than BLOCK_D chains, which is what hides the exp2 / FMA latency at large b * d.
+the sequence T tokens at a time. Each step is one (BLOCK_D, T, N_PAD) tile: every
+(channel, token, state) element gets its decay a = exp(dt * A) and input x = dt * u * B at
+once (no dependence between them), and ``tl.associative_scan`` along the token axis solves
+h_t = a_t * h_{t-1} + x_t for the whole tile, the state carried in from the previous tile
+folded into the first token's input. Only the scan's FMA chain is sequential, and a thread
+has n such chains side by side, so the exp2 and load latencies overlap.
 
-Per-token tensors (u, delta, z, y) are loaded and stored as (BLOCK_D, 1, T) tiles so that the
-3-D tile takes their (coalesced) register layout, and B, C as (1, N_PAD, T) tiles; the state
-is a (BLOCK_D, N_PAD) tile. State indices past n read A = 0, B = C = 0: decay 1, input 0,
-no share of y, so the padding never changes a result.
+The register layout comes from the loads (Triton gives a load the layout of its coalesced
+access and propagates it): u, delta, z, y move as (BLOCK_D, T, 1) tiles and B, C as
+(BLOCK_D, T, N_PAD) tiles with stride 0 over channels, so all of them, and the 3-D
+arithmetic, share one layout. Compiled offline for sm_90 (triton 3.6, bf16 u, fp32 B / C),
+T = 4 gives one channel per lane with its 4 tokens and all n states in the thread: no
+shuffles, no spills, ~12 SASS instructions per (channel, token, state). T = 8 puts the
+tokens on 2 lanes (fp32 B loads are 4 wide) and the scan then shuffles. The loop counts steps
+rather than ranging over token offsets: with a runtime start, range()'s variable loses the
+alignment the 16-byte loads need.
+
+State indices past n read A = 0, B = C = 0: decay 1, input 0, no share of y, so the padding
+never changes a result.
 
 Everything the sequential kernel produces, this one produces the same way: y, final states,
 the backward's checkpoints ckpt[b, k, i, c] (the state entering checkpoint chunk k, tokens
@@ -36,8 +42,8 @@ from ssmshard.kernels.scan_common import LOG2E, boundaries, discretise, linear_r
 
 @triton.jit
 def _state_tile_ptrs(base, ch64, nv, s_n):
-    # (channels, n) pointers into a (.., n, d) or (.., d, n) state tensor; ``base`` is the
-    # row pointer of each channel's state index 0, ``s_n`` the step between state indices.
+    # (n, channels) pointers into a (.., n, d) or (.., d, n) state tensor: ``base`` plus
+    # ``ch64`` point at each channel's state index 0, ``s_n`` steps between state indices.
     return base + ch64[:, None] + nv[None, :] * s_n
 
 
@@ -54,38 +60,40 @@ def _tile_step(
     """Tokens t0 .. t0 + T - 1 for the program's channels and all state indices."""
     t = t0 + tv
     t_mask = t < l
-    t3 = t[None, None, :]  # (1, 1, T)
-    tv3 = tv[None, None, :]
-    tile_mask = ch_mask[:, None, None] & t_mask[None, None, :]  # (BLOCK_D, 1, T)
-    nt_mask = n_mask[None, :, None] & t_mask[None, None, :]  # (1, N_PAD, T)
+    t3 = t[None, :, None]  # (1, T, 1)
+    tv3 = tv[None, :, None]
+    tile_mask = ch_mask[:, None, None] & t_mask[None, :, None]  # (BLOCK_D, T, 1)
     ch3 = ch64[:, None, None]
-    n3 = nv[None, :, None]
+    n3 = nv[None, None, :]
+    state_mask = ch_mask[:, None] & n_mask[None, :]
+    # B and C are read through (BLOCK_D, T, N_PAD) pointers, stride 0 over channels, so that
+    # their loads take the per-token tensors' register layout (tokens in-thread).
+    bc_mask = state_mask[:, None, :] & t_mask[None, :, None]
     if STORE_CKPT:
         num_ckpt = tl.cdiv(l, ckpt_chunk)
         if t0 % ckpt_chunk == 0:
             # ckpt[b, k, i, c]: the state carried into checkpoint chunk k (the tile starts one).
             rows = ckpt_ptr + (b64 * num_ckpt + t0 // ckpt_chunk) * n * d
-            tl.store(_state_tile_ptrs(rows, ch64, nv, d), state,
-                     mask=ch_mask[:, None] & n_mask[None, :])
+            tl.store(_state_tile_ptrs(rows, ch64, nv, d), state, mask=state_mask)
 
-    u = tl.load(u_rows + t3 * su_l, mask=tile_mask, other=0.0).to(tl.float32)  # (BLOCK_D, 1, T)
+    u = tl.load(u_rows + t3 * su_l, mask=tile_mask, other=0.0).to(tl.float32)  # (BLOCK_D, T, 1)
     delta = tl.load(delta_rows + t3 * sdl_l, mask=tile_mask, other=0.0).to(tl.float32)
     # Tokens past l become identity steps (dt 0: decay 1, input 0): the state passes through.
     dt = tl.where(tile_mask, discretise(delta, bias3, SOFTPLUS), 0.0)
-    B = tl.load(B_row + n3 * sB_n + t3, mask=nt_mask, other=0.0)  # (1, N_PAD, T)
-    decay = tl.exp2(dt * A3)  # (BLOCK_D, N_PAD, T)
+    B = tl.load(B_row + 0 * ch3 + n3 * sB_n + t3, mask=bc_mask, other=0.0).to(tl.float32)  # (BLOCK_D, T, N_PAD)
+    decay = tl.exp2(dt * A3)  # (BLOCK_D, T, N_PAD)
     x = (dt * u) * B
     seq, is_start, is_end = boundaries(seq_ptr, t, l, PACKED)
     has_start = tl.max(is_start.to(tl.int32), axis=0) > 0
     if PACKED:
         # Cut the recurrence at sequence starts: nothing carried in, the sequence's own
         # initial state (decayed by one step) joins the input instead.
-        start3 = is_start[None, None, :]
-        seq3 = seq.to(tl.int64)[None, None, :]
+        start3 = is_start[None, :, None]
+        seq3 = seq.to(tl.int64)[None, :, None]
         if HAS_INIT:
             if has_start:
                 init = tl.load(init_ptr + seq3 * si_s + ch3 * si_d + n3 * si_n,
-                               mask=ch_mask[:, None, None] & n_mask[None, :, None] & start3, other=0.0)
+                               mask=state_mask[:, None, :] & start3, other=0.0)
                 x += decay * init.to(tl.float32)
         decay = tl.where(start3, 0.0, decay)
     if not WITH_OUTPUT:
@@ -93,15 +101,15 @@ def _tile_step(
         dt_sum += tl.sum(tl.sum(dt, axis=2), axis=1)
         restarted = restarted | has_start
     # The state carried in enters through the tile's first token.
-    x = tl.where(tv3 == 0, x + decay * state[:, :, None], x)
-    _, h = tl.associative_scan((decay, x), 2, linear_recurrence_combine)
+    x = tl.where(tv3 == 0, x + decay * state[:, None, :], x)
+    _, h = tl.associative_scan((decay, x), 1, linear_recurrence_combine)
 
     if PACKED and STORE_FINAL:
         has_end = tl.max(is_end.to(tl.int32), axis=0) > 0
         if has_end:
-            seq3 = seq.to(tl.int64)[None, None, :]
+            seq3 = seq.to(tl.int64)[None, :, None]
             tl.store(final_ptr + seq3 * sf_s + ch3 * sf_d + n3 * sf_n, h,
-                     mask=ch_mask[:, None, None] & n_mask[None, :, None] & is_end[None, None, :])
+                     mask=state_mask[:, None, :] & is_end[None, :, None])
     if STORE_CKPT:
         if T > ckpt_chunk:
             # Checkpoint chunks that start inside this tile: the state after the token
@@ -109,14 +117,14 @@ def _tile_step(
             nxt = t3 + 1
             edge = (nxt % ckpt_chunk == 0) & (tv3 < T - 1) & (nxt < l)
             rows = ckpt_ptr + (b64 * num_ckpt + nxt // ckpt_chunk) * n * d
-            tl.store(rows + n3 * d + ch3, h, mask=ch_mask[:, None, None] & n_mask[None, :, None] & edge)
+            tl.store(rows + n3 * d + ch3, h, mask=state_mask[:, None, :] & edge)
     # The state after the tile's last token (tokens past l left it unchanged). The -0.0
     # fill is the additive identity, so the sum is exactly that token's value.
-    state = tl.sum(tl.where(tv3 == T - 1, h, -0.0), axis=2)
+    state = tl.sum(tl.where(tv3 == T - 1, h, -0.0), axis=1)
 
     if WITH_OUTPUT:
-        C = tl.load(C_row + n3 * sC_n + t3, mask=nt_mask, other=0.0)  # (1, N_PAD, T)
-        y = tl.sum(h * C, axis=1, keep_dims=True)  # (BLOCK_D, N_PAD, T) -> (BLOCK_D, 1, T)
+        C = tl.load(C_row + 0 * ch3 + n3 * sC_n + t3, mask=bc_mask, other=0.0).to(tl.float32)
+        y = tl.sum(h * C, axis=2, keep_dims=True)  # (BLOCK_D, T, N_PAD) -> (BLOCK_D, T, 1)
         if HAS_D:
             D = tl.load(D_ptr + ch, mask=ch_mask, other=0.0).to(tl.float32)
             y += D[:, None, None] * u
@@ -148,7 +156,7 @@ def scan_fwd_parallel_kernel(
 ):
     """One (channel block, batch row, segment); the arguments are those of
     ``selective_scan_fwd.scan_fwd_kernel`` (same meaning), with the tile shape
-    (BLOCK_D, N_PAD, T) as constants. Segments are whole tiles (``seg_len`` a multiple of T)."""
+    (BLOCK_D, T, N_PAD) as constants. Segments are whole tiles (``seg_len`` a multiple of T)."""
     pid_blk = tl.program_id(0)
     pid_b = tl.program_id(1)
     pid_seg = tl.program_id(2)
@@ -189,9 +197,11 @@ def scan_fwd_parallel_kernel(
     restarted = pid_seg < 0  # a scalar False
     t_begin = pid_seg * seg_len
     t_stop = tl.minimum(t_begin + seg_len, l)
-    for t0 in range(t_begin, t_stop, T):
+    for k in range(tl.cdiv(t_stop - t_begin, T)):
+        # A step count, not range(t_begin, t_stop, T): with a runtime start the loop variable
+        # loses its alignment, the hint with it, and the loads their 16-byte vectors.
         state, dt_sum, restarted = _tile_step(
-            tl.multiple_of(t0, T), state, dt_sum, restarted, A2[:, :, None], bias[:, None, None], ch, ch64, ch_mask,
+            tl.multiple_of(t_begin + k * T, T), state, dt_sum, restarted, A2[:, None, :], bias[:, None, None], ch, ch64, ch_mask,
             nv, n_mask, tv, b64,
             u_rows, su_l, delta_rows, sdl_l, z_rows, sz_l, y_rows, sy_l, B_row, C_row, sB_n, sC_n,
             D_ptr, seq_ptr, l, n, d,
