@@ -1,5 +1,7 @@
 """Mamba-1 selective scan on Triton kernels: public functions, launch configuration and the
-autograd Function. The kernels are in ``selective_scan_fwd`` and ``selective_scan_bwd``.
+autograd Function. The kernels are in ``selective_scan_fwd`` (the sequential forward, the
+default), ``selective_scan_fwd_parallel`` (``ScanConfig(fwd_variant="parallel")``) and
+``selective_scan_bwd`` (one backward for both: the forwards write the same checkpoints).
 
 Dimension letters: b batch, d channels, l tokens, n state size, g groups of B / C,
 e channels per group (d // g), S packed sequences, G segments of the sequence,
