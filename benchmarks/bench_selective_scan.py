@@ -1,6 +1,6 @@
 """Benchmark of the Triton selective-scan kernels (ssmshard.kernels.selective_scan) on one GPU.
 
-    python benchmarks/bench_selective_scan.py [--out FILE] [--sweep] [--no-mamba]
+    python benchmarks/bench_selective_scan.py [--out FILE] [--sweep] [--sweep-sequential] [--no-mamba]
 
 1. Correctness at full size: the bf16 kernel against the fp32 torch reference
    (ssmshard.kernels.reference.selective_scan) on the same rounded inputs; gradients at a
@@ -10,7 +10,10 @@
    mamba_ssm's CUDA selective_scan_fn when it imports (ratio = theirs / ours).
 3. Achieved bandwidth: counted bytes / time, against a device-to-device copy measured here.
 4. The decode-step kernel at batch 1 and 64.
-``--sweep`` also times a few launch configurations (ScanConfig) per shape, to pick defaults.
+``--sweep`` also times the parallel forward (ScanConfig.fwd_variant="parallel") over a few
+tiles, with and without segments, on the first two shapes (forward median and max relative
+error of y against the fp32 reference per config); ``--sweep-sequential`` the sequential
+forward's and the backward's launch configurations.
 Writes JSON to --out (default $OUT/bench_selective_scan.json, else ./bench_selective_scan.json)
 and prints a table. ``--smoke`` runs tiny shapes on the CPU interpreter (checks the script).
 
@@ -196,7 +199,8 @@ def theirs(x, scan_fn):
     return fwd, fwd_bwd
 
 
-def sweep_configs(b, d, l):
+def sweep_sequential_configs(b, d, l):
+    """The sequential forward's warps / segments and the backward's tiles (``--sweep-sequential``)."""
     base = default_config(b, d, l, torch.device("cuda"))
     configs = {"default": base}
     for warps in (1, 2, 4):
@@ -210,10 +214,46 @@ def sweep_configs(b, d, l):
     return configs
 
 
+# (channels, tokens, warps) of the parallel forward. T=4 with 32 channels per warp keeps a
+# step in one thread per channel; T=8 spreads the tokens over 2 lanes (more threads, shuffles).
+PARALLEL_TILES = ((32, 4, 1), (64, 4, 2), (128, 4, 4), (32, 8, 2), (64, 8, 4))
+
+
+def sweep_configs(b, d, l):
+    """The default (sequential) configuration and the parallel forward over PARALLEL_TILES,
+    without segments and with the default's segment count (at least 2)."""
+    base = default_config(b, d, l, torch.device("cuda"))
+    configs = {"default": base}
+    for segments in sorted({1, max(2, base.segments)}):
+        for block_d, tokens, warps in PARALLEL_TILES:
+            configs[f"par bd{block_d} T{tokens} w{warps} seg{segments}"] = ScanConfig(
+                **{**base.__dict__, "fwd_variant": "parallel", "par_block_d": block_d,
+                   "par_tokens": tokens, "par_warps": warps, "segments": segments})
+    return configs
+
+
+def sweep_forward(x, configs, bench):
+    """Forward median and max relative error (y against the fp32 torch reference) per config."""
+    args = [x[k] for k in ORDER]
+    with torch.no_grad():
+        y_ref, _ = reference.selective_scan(*args, True)
+    out = {}
+    for name, cfg in configs.items():
+        with torch.no_grad():
+            y = selective_scan(*args, True, out_dtype=torch.float32, config=cfg)
+        f, _ = ours(x, cfg)
+        out[name] = {"config": cfg.__dict__, "fwd_ms": bench(f), "rel_err": rel_err(y, y_ref)}
+        del y
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="JSON file (default $OUT/bench_selective_scan.json)")
-    parser.add_argument("--sweep", action="store_true", help="also time a few launch configurations")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time the parallel forward's tiles (forward median and error per config)")
+    parser.add_argument("--sweep-sequential", action="store_true",
+                        help="also time the sequential forward's and the backward's launch configurations")
     parser.add_argument("--no-mamba", action="store_true", help="skip the mamba_ssm comparison")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter")
     args = parser.parse_args()
@@ -252,11 +292,17 @@ def main():
         if scan_fn is not None:
             f2, fb2 = theirs(x, scan_fn)
             row["mamba_fwd_ms"], row["mamba_fwd_bwd_ms"] = time_scan(f2, fb2, bench)
-        if args.sweep and not args.smoke:
-            row["sweep"] = {}
-            for name, c in sweep_configs(b, d, l).items():
+        # Sweeps on the two headline shapes only (compiles dominate: ~11 configs each).
+        if args.sweep and (b, d, l) in shapes[:2]:
+            t_sweep = time.time()
+            row["sweep"] = sweep_forward(x, sweep_configs(b, d, l) if not args.smoke else
+                                         {"parallel": ScanConfig(fwd_variant="parallel", par_block_d=16)}, bench)
+            row["sweep_s"] = time.time() - t_sweep
+        if args.sweep_sequential and not args.smoke:
+            row["sweep_sequential"] = {}
+            for name, c in sweep_sequential_configs(b, d, l).items():
                 f3, fb3 = ours(x, c)
-                row["sweep"][name] = dict(zip(("fwd_ms", "fwd_bwd_ms"), time_scan(f3, fb3, bench)))
+                row["sweep_sequential"][name] = dict(zip(("fwd_ms", "fwd_bwd_ms"), time_scan(f3, fb3, bench)))
         rows.append(row)
         del x
 
@@ -306,6 +352,8 @@ def main():
               f"{ratio(their_f, r['ours_fwd_ms'])} {ratio(their_fb, r['ours_fwd_bwd_ms'])} "
               f"{r['fwd_GBps']:8.0f} {r['fwd_bwd_GBps']:8.0f}")
         for name, t in r.get("sweep", {}).items():
+            print(f"    sweep {name:<40} {t['fwd_ms']:8.3f}  rel err {t['rel_err']:.1e}")
+        for name, t in r.get("sweep_sequential", {}).items():
             print(f"    sweep {name:<40} {t['fwd_ms']:8.3f} {t['fwd_bwd_ms']:8.3f}")
     print(f"copy roofline {roofline / 1e9:.0f} GB/s; decode: "
           + ", ".join(f"{k} {v['ms'] * 1e3:.1f} us" for k, v in decode.items()))

@@ -35,6 +35,12 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CFG = (ScanConfig(chunk=16) if DEVICE == "cuda"
        else ScanConfig(chunk=8, fwd_block_d=4, bwd_block_d=4, bwd_warps=1))
 CHUNK = CFG.chunk
+# The parallel-over-time forward (the backward is shared). On the interpreter its tile spans
+# two checkpoint chunks, so checkpoints are also written from inside a tile.
+PARALLEL_CFG = (ScanConfig(chunk=16, fwd_variant="parallel", par_block_d=32, par_tokens=4, par_warps=1)
+                if DEVICE == "cuda" else
+                ScanConfig(**{**CFG.__dict__, "fwd_variant": "parallel", "par_block_d": 4, "par_tokens": 2 * CHUNK}))
+VARIANTS = {"sequential": CFG, "parallel": PARALLEL_CFG}
 FP32_TOL = 1e-5
 ROUNDING_TOL = {torch.float32: FP32_TOL, torch.bfloat16: 2.0**-8 if DEVICE == "cuda" else 2.0**-7,
                 torch.float16: 2.0**-11}
@@ -153,9 +159,10 @@ def check_scan(inputs, softplus, offsets=None, cfg=CFG):
         (1, 2, CHUNK + 3, 128, None, dict(D=False, bias=False)),
     ],
 )
-def test_scan_fp32(fresh_seed, b, d, l, n, g, flags):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_scan_fp32(fresh_seed, b, d, l, n, g, flags, variant):
     inputs, softplus = make_scan_inputs(b, d, l, n, g, num_init=b, **flags)
-    check_scan(inputs, softplus)
+    check_scan(inputs, softplus, cfg=VARIANTS[variant])
 
 
 def test_scan_fp32_no_initial_state(fresh_seed):
@@ -163,31 +170,44 @@ def test_scan_fp32_no_initial_state(fresh_seed):
     check_scan(inputs, softplus)
 
 
-def test_scan_segments(fresh_seed):
-    # The sequence split over 3 segments (one extra pass hands states across them).
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_scan_segments(fresh_seed, variant):
+    # The sequence split over 3 segments (one extra pass hands states across them); the
+    # parallel variant's segments are whole tiles, so it gets 2.
     inputs, softplus = make_scan_inputs(1, 4, 3 * CHUNK - 2, 16, g=2, num_init=1)
-    check_scan(inputs, softplus, cfg=ScanConfig(**{**CFG.__dict__, "segments": 3}))
+    check_scan(inputs, softplus, cfg=ScanConfig(**{**VARIANTS[variant].__dict__, "segments": 3}))
 
 
 # Length-1 sequences, a boundary exactly on a chunk edge, an empty sequence, odd lengths.
 PACK = [0, 1, CHUNK, CHUNK + 1, CHUNK + 1, 2 * CHUNK + 3, 2 * CHUNK + 4, 3 * CHUNK + 1]
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("with_init", [True, False])
-def test_scan_packed(fresh_seed, with_init):
+def test_scan_packed(fresh_seed, with_init, variant):
     inputs, softplus = make_scan_inputs(1, 6, PACK[-1], 16, g=2, num_init=len(PACK) - 1 if with_init else None)
-    check_scan(inputs, softplus, offsets=PACK)
+    check_scan(inputs, softplus, offsets=PACK, cfg=VARIANTS[variant])
 
 
-def test_scan_packed_segments(fresh_seed):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_scan_packed_segments(fresh_seed, variant):
     inputs, softplus = make_scan_inputs(1, 4, PACK[-1], 8, num_init=len(PACK) - 1)
-    check_scan(inputs, softplus, offsets=PACK, cfg=ScanConfig(**{**CFG.__dict__, "segments": 2}))
+    check_scan(inputs, softplus, offsets=PACK, cfg=ScanConfig(**{**VARIANTS[variant].__dict__, "segments": 2}))
 
 
+def test_scan_parallel_short_tile(fresh_seed):
+    # The parallel forward with tiles shorter than a checkpoint chunk (the GPU default shape),
+    # packed, n not a power of two.
+    cfg = ScanConfig(**{**PARALLEL_CFG.__dict__, "par_tokens": 4})
+    inputs, softplus = make_scan_inputs(1, 6, PACK[-1], 5, g=2, num_init=len(PACK) - 1)
+    check_scan(inputs, softplus, offsets=PACK, cfg=cfg)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_scan_low_precision(fresh_seed, dtype):
+def test_scan_low_precision(fresh_seed, dtype, variant):
     inputs, softplus = make_scan_inputs(2, 8, 2 * CHUNK + 5, 16, g=2, dtype=dtype, num_init=2)
-    check_scan(inputs, softplus)
+    check_scan(inputs, softplus, cfg=VARIANTS[variant])
 
 
 def test_packed_equals_sequences_alone(fresh_seed):
@@ -268,6 +288,10 @@ def test_rejects_bad_arguments():
         selective_scan(*args, initial_state=torch.zeros(3, 4, 4))
     with pytest.raises(ValueError, match="multiple of B/C groups"):
         selective_scan(*args[:3], torch.zeros(2, 3, 4, 8), torch.zeros(2, 3, 4, 8))
+    with pytest.raises(ValueError, match="fwd_variant must be one of"):
+        ScanConfig(fwd_variant="fast")
+    with pytest.raises(ValueError, match="par_tokens must be a power of two"):
+        ScanConfig(fwd_variant="parallel", par_tokens=12)
 
 
 # --- selective_state_update -------------------------------------------------------------------

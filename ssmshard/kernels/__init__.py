@@ -7,7 +7,8 @@ Triton kernels (forward and backward, packed sequences via ``cu_seqlens``), impo
 explicitly (they need Triton, and TRITON_INTERPRET=1 set first to run on CPU); the
 ``swap_kernels`` pass wires them into programs:
 
-* ``selective_scan`` (with ``selective_scan_fwd``, ``selective_scan_bwd``, ``scan_common``):
+* ``selective_scan`` (with ``selective_scan_fwd``, ``selective_scan_fwd_parallel``,
+  ``selective_scan_bwd``, ``scan_common``):
   the Mamba-1 scan; ``state_update``: the decode step (Mamba-1 and Mamba-2 layouts);
 * ``ssd_scan`` (with ``ssd_scan_fwd``, ``ssd_scan_bwd``, ``ssd_triton_common``): Mamba-2 SSD;
 * ``causal_conv1d``: the depthwise causal conv and its decode update.

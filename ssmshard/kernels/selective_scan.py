@@ -1,5 +1,7 @@
 """Mamba-1 selective scan on Triton kernels: public functions, launch configuration and the
-autograd Function. The kernels are in ``selective_scan_fwd`` and ``selective_scan_bwd``.
+autograd Function. The kernels are in ``selective_scan_fwd`` (the sequential forward, the
+default), ``selective_scan_fwd_parallel`` (``ScanConfig(fwd_variant="parallel")``) and
+``selective_scan_bwd`` (one backward for both: the forwards write the same checkpoints).
 
 Dimension letters: b batch, d channels, l tokens, n state size, g groups of B / C,
 e channels per group (d // g), S packed sequences, G segments of the sequence,
@@ -40,15 +42,25 @@ from torch import Tensor
 
 from ssmshard.kernels.selective_scan_bwd import scan_bwd_kernel
 from ssmshard.kernels.selective_scan_fwd import scan_fwd_kernel, segment_carry_kernel
+from ssmshard.kernels.selective_scan_fwd_parallel import scan_fwd_parallel_kernel
 
 
 # --- launch configuration ------------------------------------------------------------------
 
 
+FWD_VARIANTS = ("sequential", "parallel")
+
+
 @dataclass(frozen=True)
 class ScanConfig:
     """Launch shapes. ``chunk`` (tokens) is the checkpoint spacing, shared by the forward and
-    the backward tile. ``segments``: 0 lets ``default_config`` pick; 1 disables the split."""
+    the backward tile. ``segments``: 0 lets ``default_config`` pick; 1 disables the split.
+
+    ``fwd_variant`` picks the forward kernel: "sequential" (``selective_scan_fwd``: one channel
+    per thread, tokens walked in order, the state loop over n) or "parallel"
+    (``selective_scan_fwd_parallel``: (par_block_d, n, par_tokens) tiles scanned over time with
+    ``tl.associative_scan``, par_warps warps). Both write the same checkpoints, so the
+    backward is the same for either."""
 
     chunk: int = 64
     fwd_warps: int = 1
@@ -59,13 +71,20 @@ class ScanConfig:
     # Channels per forward program. The layout wants one per thread (None: 32 * fwd_warps);
     # smaller blocks are for the CPU interpreter, where masked lanes cost real time.
     fwd_block_d: Optional[int] = None
+    fwd_variant: str = "sequential"
+    # One channel per lane (par_block_d = 32 * par_warps) with par_tokens = 4 keeps a step's
+    # tokens and states in one thread (see selective_scan_fwd_parallel).
+    par_block_d: int = 128
+    par_tokens: int = 4
+    par_warps: int = 4
 
     @property
     def fwd_channels(self) -> int:
         return self.fwd_block_d or 32 * self.fwd_warps
 
     def __post_init__(self):
-        for name in ("chunk", "fwd_warps", "bwd_block_d", "bwd_warps", "fwd_channels"):
+        for name in ("chunk", "fwd_warps", "bwd_block_d", "bwd_warps", "fwd_channels",
+                     "par_block_d", "par_tokens", "par_warps"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"ScanConfig.{name} must be a power of two, got {value}")
@@ -73,6 +92,8 @@ class ScanConfig:
             raise ValueError(f"ScanConfig.chunk must be at least 8 tokens, got {self.chunk}")
         if self.segments < 1:
             raise ValueError(f"ScanConfig.segments must be >= 1, got {self.segments}")
+        if self.fwd_variant not in FWD_VARIANTS:
+            raise ValueError(f"ScanConfig.fwd_variant must be one of {FWD_VARIANTS}, got {self.fwd_variant!r}")
 
 
 def _sm_count(device: torch.device) -> int:
@@ -193,9 +214,23 @@ def _static_n(n: int, cfg: ScanConfig) -> int:
 
 
 def _segments(l: int, cfg: ScanConfig) -> tuple[int, int]:
-    """(number of segments, tokens per segment); segments are whole checkpoint chunks."""
-    seg_len = triton.cdiv(triton.cdiv(l, cfg.segments), cfg.chunk) * cfg.chunk
+    """(number of segments, tokens per segment); segments are whole checkpoint chunks, and
+    whole tiles of the parallel forward."""
+    unit = max(cfg.chunk, cfg.par_tokens) if cfg.fwd_variant == "parallel" else cfg.chunk
+    seg_len = triton.cdiv(triton.cdiv(l, cfg.segments), unit) * unit
     return triton.cdiv(l, seg_len), seg_len
+
+
+def _forward_kernel(u, delta, z, y, n, cfg: ScanConfig):
+    """The forward kernel for ``cfg.fwd_variant``, its channels per program and the launch
+    constants that differ between the two kernels (the arguments are the same)."""
+    n_pad = triton.next_power_of_2(n)
+    if cfg.fwd_variant == "parallel":
+        return scan_fwd_parallel_kernel, cfg.par_block_d, dict(
+            BLOCK_D=cfg.par_block_d, T=cfg.par_tokens, N_PAD=n_pad, num_warps=cfg.par_warps)
+    return scan_fwd_kernel, cfg.fwd_channels, dict(
+        BLOCK_D=cfg.fwd_channels, V=_tokens_per_step(u, delta, z, y), N_PAD=n_pad,
+        N_STATIC=_static_n(n, cfg), num_warps=cfg.fwd_warps)
 
 
 def _launch_forward(u, delta, A, B32, C32, D, z, delta_bias, softplus, seq_idx, initial_state,
@@ -203,14 +238,14 @@ def _launch_forward(u, delta, A, B32, C32, D, z, delta_bias, softplus, seq_idx, 
     bsz, d, l = u.shape
     g, n = B32.shape[1], A.shape[1]
     e = d // g
-    block_d = cfg.fwd_channels
+    kernel, block_d, tile_constants = _forward_kernel(u, delta, z, y, n, cfg)
     num_segments, seg_len = _segments(l, cfg)
     dummy = y  # stands in for absent operands; never read
     opt = lambda t: t if t is not None else dummy  # noqa: E731
     zs = z.stride() if z is not None else (0, 0, 0)
 
     def launch(carry, seg_end, seg_decay, with_output):
-        scan_fwd_kernel[(g * triton.cdiv(e, block_d), bsz, num_segments)](
+        kernel[(g * triton.cdiv(e, block_d), bsz, num_segments)](
             u, delta, A, B32, C32, opt(D), opt(z), opt(delta_bias), opt(seq_idx), opt(initial_state),
             y, opt(final), opt(ckpt), opt(carry), opt(seg_end), opt(seg_decay),
             d, l, e, n, seg_len, cfg.chunk,
@@ -220,9 +255,7 @@ def _launch_forward(u, delta, A, B32, C32, D, z, delta_bias, softplus, seq_idx, 
             SOFTPLUS=softplus, PACKED=seq_idx is not None, HAS_INIT=initial_state is not None,
             STORE_FINAL=with_output and final is not None,
             STORE_CKPT=with_output and ckpt is not None, WITH_OUTPUT=with_output,
-            HAS_CARRY=carry is not None,
-            BLOCK_D=block_d, V=_tokens_per_step(u, delta, z, y), N_PAD=triton.next_power_of_2(n),
-            N_STATIC=_static_n(n, cfg), num_warps=cfg.fwd_warps,
+            HAS_CARRY=carry is not None, **tile_constants,
         )
 
     carry = None
