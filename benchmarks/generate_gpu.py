@@ -157,7 +157,7 @@ def make_suite(args) -> Suite:
         return Suite(SMOKE_MODELS, layouts, [1, 4], [16, 40], 6, 2, [(1, 16)], [(1, 16)], [64, 256], 32,
                      1 << 20, torch.float32)
     if args.suite == "quick":
-        return Suite({"mamba-2.8b": GPU_MODELS["mamba-2.8b"]}, layouts, [1, 16], [1 * K, 4 * K], 128, 3,
+        return Suite({m: GPU_MODELS[m] for m in ("mamba-2.8b", "mamba2-2.7b")}, layouts, [1, 16], [1 * K, 4 * K], 128, 3,
                      [(1, 1 * K)], [(1, 1 * K), (16, 1 * K)], [16 * K, 32 * K, 64 * K, 128 * K], 4096,
                      1 << 20, torch.bfloat16)
     return Suite(dict(GPU_MODELS), layouts, [1, 4, 16, 64], [1 * K, 4 * K, 16 * K, 32 * K], 128, 3,
@@ -745,6 +745,8 @@ def parse_args(argv=None):
     parser.add_argument("--budget-s", type=float, default=480, help="skip what would end after this (seconds)")
     parser.add_argument("--models", nargs="+", help="a subset of the suite's models")
     parser.add_argument("--seed", type=int, default=7, help="of the random weights and prompts")
+    parser.add_argument("--longest-grid", type=int, nargs="+", default=None,
+                        help="prompt lengths (tokens) of the longest-prompt search, instead of the suite's")
     parser.add_argument("--cuda-graph", choices=["default", "auto", "on", "off"], default="default",
                         help="pass generate(cuda_graph=...); default: the library's own default")
     parser.add_argument("--collective-timeout-s", type=float, default=300,
@@ -776,6 +778,8 @@ def main(argv=None):
         backend = "nccl"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.collective_timeout_s))
     suite = make_suite(args)
+    if args.longest_grid:
+        suite.longest_grid = sorted(args.longest_grid)
     if args.models:
         unknown = sorted(set(args.models) - set(suite.models))
         if unknown:
