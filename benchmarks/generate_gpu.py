@@ -533,8 +533,10 @@ class Bench:
                     reset_peak(self.device)
                     seconds, _ = timed(team, self.device, lambda: dm.generate(ids, max_new_tokens=2, **kwargs))
                     status = {"ok": True, "s": seconds, "peak": peak_gib(self.device)}
-                except torch.cuda.OutOfMemoryError as error:
-                    status = {"ok": False, "error": str(error).splitlines()[0]}
+                except (torch.cuda.OutOfMemoryError, ValueError) as error:
+                    # ValueError: a size the kernels refuse up front (e.g. 32-bit indexing), the
+                    # same on every rank of the team, so no rank is left waiting.
+                    status = {"ok": False, "error": f"{type(error).__name__}: {str(error).splitlines()[0]}"}
                 del ids
                 free_memory(self.device)
                 self.clock.took("longest", time.perf_counter() - started)
