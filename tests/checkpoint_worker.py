@@ -132,7 +132,18 @@ def _load_case(rank, world, case, seed):
     # By the program's names: a tied embedding is read under lm_head.weight.
     largest = max(weights, key=lambda fqn: weights[fqn]["full"])
     in_memory = _same_program_with_slices_of(loaded, model, plan, rank)
-    return {"case": case, "rank": rank, **_compare(loaded, in_memory, model, seed), "reads": reads,
+    generated = {}
+    if not case["dtype"]:
+        # Generation from the checkpoint-loaded module (its model only ever on meta): the
+        # prefill/decode programs are captured from the meta model too, so their factory ops
+        # and lifted constants must land on the weights' device.
+        ids = _ids(model.config.vocab_size, seed)
+        eos = model.generation_config.eos_token_id
+        ours = loaded.generate(ids, max_new_tokens=8, eos_token_id=eos, pad_token_id=0)
+        with torch.no_grad():
+            hf = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=eos, pad_token_id=0)
+        generated = {"generate_equal_hf": torch.equal(ours, hf), "generated": ours.tolist(), "hf_generated": hf.tolist()}
+    return {"case": case, "rank": rank, **_compare(loaded, in_memory, model, seed), **generated, "reads": reads,
             "weights": weights, "largest_param": [largest, weights[largest]["full"]],
             "group_size": dist.get_world_size(mesh.get_group()) if mesh else None,
             "collectives": len(loaded.program.collectives)}

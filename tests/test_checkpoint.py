@@ -80,6 +80,15 @@ def test_checkpoint_gives_the_in_memory_weights_and_logits_bit_for_bit(tp2):
         assert r["err_vs_hf"] < TOL_VS_HF[r["case"]["dtype"]], (r["err_vs_hf"], _label(r, seed))
 
 
+def test_greedy_generation_from_a_checkpoint_equals_hf(tp2):
+    """dm.generate on modules loaded from checkpoints (models on meta) gives HF's greedy tokens."""
+    results, seed = tp2
+    checked = [r for r in results if "generate_equal_hf" in r]
+    assert len(checked) == TP * sum(1 for case in CASES if case[4] is None)
+    for r in checked:
+        assert r["generate_equal_hf"], (_label(r, seed), r["generated"], r["hf_generated"])
+
+
 def test_dtype_conversion_as_hf_from_pretrained(tp2):
     results, seed = tp2
     for r in results:

@@ -142,12 +142,30 @@ class DistributedModule(torch.nn.Module):
         return program
 
     def _bound(self, program):
-        """``program`` reading this module's current local weights."""
+        """``program`` reading this module's current local weights, its factory ops on their device."""
         weights = self._local_weights()
-        # Constants lifted by export (e.g. a rotary table) belong to each program itself.
-        program.weights = {fqn: weights[fqn] if fqn in weights else
-                           _local_part(program.constants[fqn], spec.placement, self.rank)
-                           for fqn, spec in program.param_specs.items()}
+        device = next(iter(weights.values())).device
+        bound = {}
+        for fqn, spec in program.param_specs.items():
+            if fqn in weights:
+                bound[fqn] = weights[fqn]
+                continue
+            # Constants lifted by export belong to each program itself (e.g. the empty key/value
+            # tensors an HF cache starts from). A model on the meta device gives meta constants:
+            # an empty one loses nothing, any other would compute garbage.
+            constant = program.constants[fqn]
+            if constant.device.type == "meta":
+                if constant.numel():
+                    raise RuntimeError(f"the {program.mode} program of this meta-device model lifted the constant "
+                                       f"{fqn!r} {tuple(constant.shape)}, whose values a meta model does not have; "
+                                       "build the model with real weights to generate")
+                constant = torch.empty(constant.shape, dtype=constant.dtype, device=device)
+            bound[fqn] = _local_part(constant, spec.placement, self.rank)
+        program.weights = bound
+        if program.capture_device != device:
+            # Factory ops captured from a meta model create meta tensors (the states a cache
+            # starts from) until they are pointed at the weights' device.
+            program.retarget(device)
         return program
 
     def state_placements(self):
