@@ -5,9 +5,8 @@ VPY    := $(VENV)/bin/python
 # torch is pinned exactly and installed first: the pin selects the local CPU wheel, and an
 # already-satisfied torch keeps `pip install -e .` from pulling a CUDA build.
 TORCH  := torch==2.13.0
-PYTEST_ARGS ?= -m "not slow"
 
-.PHONY: venv demo test test-all clean
+.PHONY: venv demo test clean
 
 venv: $(VENV)/.stamp
 
@@ -21,9 +20,6 @@ demo: venv
 	$(VENV)/bin/ssmshard demo
 
 test: venv
-	$(VPY) -m pytest tests $(PYTEST_ARGS)
-
-test-all: venv  # the slow tier too (tp = 4 generation)
 	$(VPY) -m pytest tests
 
 clean:

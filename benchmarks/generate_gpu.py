@@ -20,7 +20,8 @@ everywhere, so the Hugging Face baseline runs the very weights ours does):
   batch * n / median generate time (generated tokens per second, prefill included).
   Peak memory: ``max_memory_allocated`` per rank over the warm-up and timed runs.
   Longest prompt: batch 1, prefill + one decode step, on a coarse grid, with and without
-  chunked prefill; ``torch.cuda.OutOfMemoryError`` is caught and memory freed. At tp > 1 a
+  chunked prefill; ``torch.cuda.OutOfMemoryError`` is caught and memory freed, and a size the
+  kernels refuse up front (``ValueError``, e.g. 32-bit indexing) counts as not fitting. At tp > 1 a
   length is not tried when the peak memory extrapolated from the last two lengths exceeds 92% of
   the GPU: an OOM on one rank only would leave its peers waiting in a collective.
   Compute / collective split: torch.profiler over one prefill and 3 decode steps (the captured

@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("inspect", help="capture a model on the meta device and print its program")
     p.add_argument("model", help=f"a family name ({', '.join(BY_NAME)}), a config.json, or a checkpoint directory")
-    p.add_argument("--mode", choices=("forward", "prefill", "decode"), default="forward")
+    p.add_argument("--mode", choices=("forward", "prefill", "decode", "chunk"), default="forward")
     p.add_argument("--graph", action="store_true", help="also print the full graph")
     p.add_argument("--blocks", action="store_true", help="also print the block graph's edges")
     p.add_argument("--tp", type=int, default=1, help="also plan and shard for this many ranks and report")

@@ -11,9 +11,7 @@ import generate_worker
 from conftest import SIX_FAMILIES, small_model
 
 
-# tp = 4 runs 4 ranks of 18 captures each on CI's 2 cores (about 7 minutes): in the slow tier
-# (`make test-all`), so that `make test` stays under 20 minutes.
-@pytest.mark.parametrize("tp", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("tp", [1, 2, 4])
 def test_generate_matches_hf_generate_and_states_are_sharded(tp, tmp_path, fresh_seed):
     """Greedy: exactly HF's tokens for 3 left-padded prompts of different lengths, 20 new tokens,
     all six families. Sampling with a fixed seed (Mamba-2 and Zamba2, to keep the test short):

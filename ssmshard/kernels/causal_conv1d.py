@@ -530,7 +530,9 @@ def _check_float(name: str, t: Tensor) -> None:
 def _check_offsets(name: str, t: Tensor) -> None:
     reach = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
     if reach >= _INT32_LIMIT:
-        raise ValueError(f"{name} spans {reach} elements; the kernels index with 32 bits per batch row")
+        raise ValueError(f"{name} spans {reach} elements; the causal_conv1d kernels index with 32 bits "
+                         f"(at most {_INT32_LIMIT - 1}): pass fewer tokens per call (a long prompt: "
+                         "dm.generate(..., prefill_chunk_size=N) or dm.prefill(..., chunk_size=N))")
 
 
 def _validate(x, weight, bias, activation, cu_seqlens, initial_states) -> int:
