@@ -39,6 +39,11 @@ from test_ops import make_selective_scan, make_ssd, seq_conv, seq_selective_scan
 
 OPS = torch.ops.ssmshard
 TOL = 1e-5
+# Sharded packed gradients against the unsharded packed program, over the whole gradient vector:
+# the shards sum every gradient in another order (per-rank partial sums, then the all-reduce).
+# Measured up to 1.3e-5 on Mamba-2 in a CI run; a state leaking across a boundary moves
+# gradients by O(1).
+SHARDED_GRAD_TOL = 3e-5
 
 
 def random_lengths(rng: random.Random, chunk: int) -> list[int]:
@@ -378,5 +383,5 @@ def test_distributed_packed_forward_and_grads_match_unsharded_packed_program(tmp
     for r in results:
         where = f"{r} {cases[r['family']]['lengths']} (seed {fresh_seed})"
         assert r["logits_err"] < TOL and r["kwargs_logits_err"] < TOL, where
-        assert r["grad_err"] < TOL, where
+        assert r["grad_err"] < SHARDED_GRAD_TOL, where
         assert r["collectives"] > 0 and r["refused_unpacked_module"], where
