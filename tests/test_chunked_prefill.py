@@ -89,3 +89,20 @@ def test_chunked_prefill_on_the_kernels(family, dtype, fresh_seed):
     assert rel_err(logits.float(), whole_logits.float()) < tolerance, where
     for i, (a, b) in enumerate(zip(states, whole_states)):
         assert rel_err(a.float(), b.float()) < tolerance, (where, i, rel_err(a.float(), b.float()))
+
+
+def test_prompts_within_one_chunk_need_no_chunk_program():
+    """A chunk size at least the prompt's length is one-shot prefill (no chunk program is
+    captured for it); a longer prompt without a chunk program is refused by name."""
+    calls = []
+
+    def one_shot(ids, attention_mask, position_ids):
+        calls.append(ids.shape[1])
+        return "logits", ["states"]
+
+    ids = torch.zeros(2, 6, dtype=torch.long)
+    mask, positions = prompt_inputs(ids, None)
+    assert prefill(one_shot, None, ids, mask, positions, chunk_size=6) == ("logits", ["states"])
+    assert calls == [6]
+    with pytest.raises(ValueError, match="needs a chunk program"):
+        prefill(one_shot, None, ids, mask, positions, chunk_size=4)

@@ -178,10 +178,10 @@ class DistributedModule(torch.nn.Module):
         from .generate import prefill, prompt_inputs
 
         prefill_program, _ = self.generation_programs()
-        chunk = self.chunk_program() if chunk_size is not None and input_ids.shape[1] > chunk_size else None
         mask, positions = prompt_inputs(input_ids, attention_mask)
         with torch.no_grad():
-            return prefill(prefill_program, chunk, input_ids, mask, positions, chunk_size)
+            return prefill(prefill_program, self._chunk_program_for(input_ids, chunk_size), input_ids, mask,
+                           positions, chunk_size)
 
     def generate(self, input_ids, attention_mask=None, *, prefill_chunk_size=None, cuda_graph="auto", **options):
         """Hugging Face ``generate`` semantics on this rank (every rank returns the same ids):
@@ -196,11 +196,14 @@ class DistributedModule(torch.nn.Module):
         from .generate import generate
 
         prefill, decode = self.generation_programs()
-        chunk = self.chunk_program() if prefill_chunk_size is not None and input_ids.shape[1] > prefill_chunk_size \
-            else None
         step = self._graphed_decode(decode, input_ids.shape[0], cuda_graph) or decode
         return generate(prefill, step, input_ids, attention_mask, group=_group_of(self.program),
-                        chunk_program=chunk, prefill_chunk_size=prefill_chunk_size, **options)
+                        chunk_program=self._chunk_program_for(input_ids, prefill_chunk_size),
+                        prefill_chunk_size=prefill_chunk_size, **options)
+
+    def _chunk_program_for(self, input_ids, chunk_size):
+        """The chunk program when this prompt is longer than ``chunk_size`` (captured only then)."""
+        return self.chunk_program() if chunk_size is not None and input_ids.shape[1] > chunk_size else None
 
     def _graphed_decode(self, decode, batch, cuda_graph):
         """The CUDA-graph decode step for ``batch`` rows, or None to decode eagerly."""

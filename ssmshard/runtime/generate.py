@@ -67,6 +67,9 @@ def prefill(prefill_program, chunk_program, input_ids, attention_mask, position_
         raise ValueError(f"prefill_chunk_size must be >= 2 tokens, got {chunk_size}")
     if chunk_size is None or input_ids.shape[1] <= chunk_size:
         return prefill_program(input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    if chunk_program is None:
+        raise ValueError(f"a prompt of {input_ids.shape[1]} tokens with chunk size {chunk_size} needs a chunk "
+                         "program (capture(model, mode='chunk'))")
     (start, end), *rest = chunk_bounds(input_ids.shape[1], chunk_size)
     logits, states = prefill_program(input_ids[:, :end], attention_mask=attention_mask[:, :end],
                                      position_ids=position_ids[:, :end])
@@ -105,8 +108,6 @@ def generate(prefill_program, decode, input_ids: torch.Tensor, attention_mask: O
     ``chunk_program`` (see :func:`prefill`).
     """
     _check_options(max_new_tokens, temperature, top_k, top_p)
-    if prefill_chunk_size is not None and chunk_program is None:
-        raise ValueError("prefill_chunk_size needs a chunk program (capture(model, mode='chunk'))")
     attention_mask, position_ids = prompt_inputs(input_ids, attention_mask)
     eos = [] if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
     if eos and pad_token_id is None:
