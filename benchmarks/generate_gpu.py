@@ -58,6 +58,7 @@ import torch.distributed as dist
 
 import ssmshard
 from ssmshard.families import BY_NAME, build_meta_model
+from ssmshard.program import unpadded_mask_and_positions
 from ssmshard.runtime.checkpoint import recompute_buffer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -667,8 +668,7 @@ def profile_split(dm, ids, team, device, steps=3):
     from torch.profiler import ProfilerActivity, profile
 
     prefill, decode = dm.generation_programs()
-    mask = torch.ones_like(ids)
-    positions = (mask.cumsum(-1) - 1)
+    mask, positions = unpadded_mask_and_positions(ids, 0)
     token = torch.zeros(ids.shape[0], 1, dtype=ids.dtype, device=device)  # a fixed token: same input on every rank
 
     def run_prefill():

@@ -151,15 +151,22 @@ class MicroBatch:
         return MicroBatch(self.input_ids.to(device), self.targets.to(device), cu, self.real_tokens)
 
 
-def packed_micro_batches(sequences, pack_len: int) -> list[MicroBatch]:
-    """Sequences in order, each row filled until the next sequence would pass ``pack_len``."""
-    rows, current = [], []
+def _fill_in_order(sequences, fits) -> list[list]:
+    """Sequences in order into groups; a group closes when ``fits(group, next)`` says no (a
+    sequence too large on its own still gets a group)."""
+    groups, current = [], []
     for seq in sequences:
-        if current and sum(s.numel() for s in current) + seq.numel() > pack_len:
-            rows.append(current)
+        if current and not fits(current, seq):
+            groups.append(current)
             current = []
         current.append(seq)
-    rows.append(current)
+    groups.append(current)
+    return groups
+
+
+def packed_micro_batches(sequences, pack_len: int) -> list[MicroBatch]:
+    """Sequences in order, each row filled until the next sequence would pass ``pack_len``."""
+    rows = _fill_in_order(sequences, lambda row, seq: sum(s.numel() for s in row) + seq.numel() <= pack_len)
     batches = []
     for row in rows:
         packed = ssmshard.pack(row)
@@ -172,14 +179,8 @@ def padded_micro_batches(sequences, pack_len: int, order: str, pad_id: int) -> l
     """Groups whose rows x longest length stay within ``pack_len`` tokens, right-padded."""
     if order == "sorted":
         sequences = sorted(sequences, key=lambda s: -s.numel())
-    groups, current = [], []
-    for seq in sequences:
-        longest = max([s.numel() for s in current] + [seq.numel()])
-        if current and (len(current) + 1) * longest > pack_len:
-            groups.append(current)
-            current = []
-        current.append(seq)
-    groups.append(current)
+    groups = _fill_in_order(
+        sequences, lambda group, seq: (len(group) + 1) * max([s.numel() for s in group] + [seq.numel()]) <= pack_len)
     batches = []
     for group in groups:
         longest = max(s.numel() for s in group)

@@ -49,9 +49,8 @@ def generate_results(rank, world, families, seed, out_path, sampling_families=("
         result = {"family": family, "tp": world, "greedy_equal_hf": torch.equal(ours, hf), "ours": ours.tolist(),
                   "hf": hf.tolist(), "greedy_same_on_all_ranks": _same_on_every_rank(ours)}
         # States after prefill: each rank's share of the global state tensors.
-        position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
         local_prefill, _ = dm.generation_programs()
-        _, local_states = local_prefill(ids, attention_mask=mask, position_ids=position_ids)
+        _, local_states = dm.prefill(ids, mask)
         with torch.no_grad():  # the unsharded states: HF's own cache after the same prefill
             out = model(ids, attention_mask=mask, use_cache=True)
         global_shapes = [t.numel() for t in flatten_states(getattr(out, cache_kwarg(model)))]

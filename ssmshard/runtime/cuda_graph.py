@@ -23,7 +23,6 @@ from typing import Optional
 import torch
 
 
-
 def why_not_graphable(program) -> Optional[str]:
     """None if ``program`` (a decode program) can be replayed as a CUDA graph, else the reason."""
     if program.mode != "decode":
