@@ -232,6 +232,34 @@ def sweep_configs(b, d, l):
     return configs
 
 
+# (channels, tokens) per program of the parallel backward (one warp); the forward is the default's.
+PARALLEL_BWD_TILES = ((4, 2), (4, 4), (8, 2), (8, 4), (16, 2), (16, 4))
+
+
+def sweep_backward(x, b, d, l, bench):
+    """Forward+backward median per parallel-backward tile against the default's backward, and
+    the largest relative difference of any input gradient from the default's (both bf16)."""
+    base = default_config(b, d, l, torch.device("cuda"))
+    configs = {"default": base}
+    for block_d, tokens in PARALLEL_BWD_TILES:
+        configs[f"parallel bwd bd{block_d} T{tokens}"] = ScanConfig(
+            **{**base.__dict__, "bwd_variant": "parallel", "bwd_block_d": block_d, "bwd_tokens": tokens, "bwd_warps": 1})
+    args = [x[k] for k in ORDER]
+    dy = torch.randn_like(x["u"])
+    out, want = {}, None
+    for name, cfg in configs.items():
+        leaves = [a.detach().requires_grad_(True) for a in args]
+        grads = torch.autograd.grad(selective_scan(*leaves, True, config=cfg), leaves, dy)
+        want = want or grads
+        _, fb = ours(x, cfg)
+        out[name] = {"config": cfg.__dict__, "fwd_bwd_ms": bench(fb),
+                     "max_grad_rel_diff": max(rel_err(g, w) for g, w in zip(grads, want))}
+        print(f"    bwd sweep {name:<32} fwd+bwd {out[name]['fwd_bwd_ms']:8.3f} ms  "
+              f"grad diff {out[name]['max_grad_rel_diff']:.1e}", flush=True)
+        del grads, leaves
+    return out
+
+
 def sweep_forward(x, configs, bench):
     """Forward median and max relative error (y against the fp32 torch reference) per config."""
     args = [x[k] for k in ORDER]
@@ -254,6 +282,9 @@ def main():
                         help="also time the parallel forward's tiles (forward median and error per config)")
     parser.add_argument("--sweep-sequential", action="store_true",
                         help="also time the sequential forward's and the backward's launch configurations")
+    parser.add_argument("--sweep-backward", action="store_true",
+                        help="also time the parallel backward's tiles (forward+backward median per config)")
+    parser.add_argument("--only-sweeps", action="store_true", help="time only the two headline shapes (with the sweeps asked for)")
     parser.add_argument("--no-mamba", action="store_true", help="skip the mamba_ssm comparison")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter")
     args = parser.parse_args()
@@ -280,7 +311,7 @@ def main():
         shapes = [(8, D_MODEL, 2048), (1, D_MODEL, 16384)] + [(1, D_MODEL, l) for l in (2048, 4096, 8192)]
         packed_total, packed_lo, packed_hi = 16384, 64, 4096
     rows = []
-    for b, d, l in shapes:
+    for b, d, l in shapes[:2] if args.only_sweeps else shapes:
         x = make_inputs(b, d, l, N_STATE, device)
         cfg = default_config(b, d, l, device)
         f, fb = ours(x, cfg)
@@ -298,6 +329,8 @@ def main():
             row["sweep"] = sweep_forward(x, sweep_configs(b, d, l) if not args.smoke else
                                          {"parallel": ScanConfig(fwd_variant="parallel", par_block_d=16)}, bench)
             row["sweep_s"] = time.time() - t_sweep
+        if args.sweep_backward and not args.smoke and (b, d, l) in shapes[:2]:
+            row["sweep_backward"] = sweep_backward(x, b, d, l, bench)
         if args.sweep_sequential and not args.smoke:
             row["sweep_sequential"] = {}
             for name, c in sweep_sequential_configs(b, d, l).items():
@@ -348,7 +381,7 @@ def main():
         their_f, their_fb = r.get("mamba_fwd_ms"), r.get("mamba_fwd_bwd_ms")
         ratio = lambda a, b: f"{a / b:6.2f}" if a else f"{'-':>6}"  # noqa: E731
         print(f"{r['shape']:<52} {r['ours_fwd_ms']:8.3f} {r['ours_fwd_bwd_ms']:8.3f} "
-              f"{their_f if their_f else '-':>9} {their_fb if their_fb else '-':>9} "
+              f"{f'{their_f:.3f}' if their_f else '-':>9} {f'{their_fb:.3f}' if their_fb else '-':>9} "
               f"{ratio(their_f, r['ours_fwd_ms'])} {ratio(their_fb, r['ours_fwd_bwd_ms'])} "
               f"{r['fwd_GBps']:8.0f} {r['fwd_bwd_GBps']:8.0f}")
         for name, t in r.get("sweep", {}).items():

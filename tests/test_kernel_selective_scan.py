@@ -40,7 +40,11 @@ CHUNK = CFG.chunk
 PARALLEL_CFG = (ScanConfig(chunk=16, fwd_variant="parallel", par_block_d=32, par_tokens=4, par_warps=1)
                 if DEVICE == "cuda" else
                 ScanConfig(**{**CFG.__dict__, "fwd_variant": "parallel", "par_block_d": 4, "par_tokens": 2 * CHUNK}))
-VARIANTS = {"sequential": CFG, "parallel": PARALLEL_CFG}
+# Both forwards feed the tile backward; the parallel backward runs after the parallel forward
+# (on the interpreter with 2-token tiles, so a checkpoint chunk holds several).
+PARALLEL_BWD_CFG = ScanConfig(**{**PARALLEL_CFG.__dict__, "bwd_variant": "parallel", "bwd_warps": 1,
+                                 "bwd_block_d": 8 if DEVICE == "cuda" else 4, "bwd_tokens": 4 if DEVICE == "cuda" else 2})
+VARIANTS = {"sequential": CFG, "parallel": PARALLEL_CFG, "parallel_bwd": PARALLEL_BWD_CFG}
 FP32_TOL = 1e-5
 ROUNDING_TOL = {torch.float32: FP32_TOL, torch.bfloat16: 2.0**-8 if DEVICE == "cuda" else 2.0**-7,
                 torch.float16: 2.0**-11}

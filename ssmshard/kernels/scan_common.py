@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 # torch.nn.functional.softplus returns x itself above this threshold.
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)
 

@@ -41,6 +41,7 @@ import triton
 from torch import Tensor
 
 from ssmshard.kernels.selective_scan_bwd import scan_bwd_kernel
+from ssmshard.kernels.selective_scan_bwd_parallel import scan_bwd_parallel_kernel
 from ssmshard.kernels.selective_scan_fwd import scan_fwd_kernel, segment_carry_kernel
 from ssmshard.kernels.selective_scan_fwd_parallel import scan_fwd_parallel_kernel
 
@@ -49,6 +50,7 @@ from ssmshard.kernels.selective_scan_fwd_parallel import scan_fwd_parallel_kerne
 
 
 FWD_VARIANTS = ("sequential", "parallel")
+BWD_VARIANTS = ("tile", "parallel")
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,13 @@ class ScanConfig:
     per thread, tokens walked in order, the state loop over n) or "parallel"
     (``selective_scan_fwd_parallel``: (par_block_d, n, par_tokens) tiles scanned over time with
     ``tl.associative_scan``, par_warps warps). Both write the same checkpoints, so the
-    backward is the same for either."""
+    backward is the same for either.
+
+    ``bwd_variant`` picks the backward kernel: "tile" (``selective_scan_bwd``: (bwd_block_d,
+    chunk) tiles with tokens over threads, a loop over state indices) or "parallel"
+    (``selective_scan_bwd_parallel``: (bwd_block_d, bwd_tokens, n) tiles scanned in the
+    thread, the sequence split into the same segments as the forward). Both run bwd_block_d
+    channels per program on bwd_warps warps."""
 
     chunk: int = 64
     fwd_warps: int = 1
@@ -77,6 +85,8 @@ class ScanConfig:
     par_block_d: int = 128
     par_tokens: int = 4
     par_warps: int = 4
+    bwd_variant: str = "tile"
+    bwd_tokens: int = 4
 
     @property
     def fwd_channels(self) -> int:
@@ -84,7 +94,7 @@ class ScanConfig:
 
     def __post_init__(self):
         for name in ("chunk", "fwd_warps", "bwd_block_d", "bwd_warps", "fwd_channels",
-                     "par_block_d", "par_tokens", "par_warps"):
+                     "par_block_d", "par_tokens", "par_warps", "bwd_tokens"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"ScanConfig.{name} must be a power of two, got {value}")
@@ -94,6 +104,10 @@ class ScanConfig:
             raise ValueError(f"ScanConfig.segments must be >= 1, got {self.segments}")
         if self.fwd_variant not in FWD_VARIANTS:
             raise ValueError(f"ScanConfig.fwd_variant must be one of {FWD_VARIANTS}, got {self.fwd_variant!r}")
+        if self.bwd_variant not in BWD_VARIANTS:
+            raise ValueError(f"ScanConfig.bwd_variant must be one of {BWD_VARIANTS}, got {self.bwd_variant!r}")
+        if self.bwd_tokens > self.chunk:
+            raise ValueError(f"ScanConfig.bwd_tokens ({self.bwd_tokens}) must not exceed chunk ({self.chunk})")
 
 
 def _sm_count(device: torch.device) -> int:
@@ -109,15 +123,20 @@ _MIN_SEGMENT_TOKENS = 256
 
 def default_config(b: int, d: int, l: int, device: torch.device) -> ScanConfig:
     """The forward runs one channel per thread: b * d / 32 warps. Below ~8 warps per SM the
-    sequence is split into segments (each >= 256 tokens) to make up the difference.
+    sequence is split into segments (each >= 256 tokens) to make up the difference; the
+    backward uses the same segments.
 
-    The parallel forward with 32-channel, 4-token tiles on one warp won the sweep on an H200
-    (``benchmarks/results/kernels/``: 1.343 ms against the sequential 2.719 ms at B=8 d=5120
-    L=2048; 2.236 against 3.764 ms at B=1 L=16384 with the 7 segments this rule picks)."""
+    Both picks won sweeps on an H200 (``benchmarks/results/kernels/``). Forward: the parallel
+    variant with 32-channel, 4-token tiles on one warp (1.343 ms against the sequential
+    2.719 ms at B=8 d=5120 L=2048; 2.236 against 3.764 ms at B=1 L=16384 with the 7 segments
+    this rule picks). Backward: the parallel variant with 8-channel, 4-token tiles on one warp
+    (forward+backward 10.81 ms against the tile backward's 17.58 ms at B=8 L=2048; 15.09
+    against 26.90 ms at B=1 L=16384)."""
     warps = b * triton.cdiv(d, 32)
     wanted = triton.cdiv(_FWD_WARPS_PER_SM * _sm_count(device), warps)
     segments = max(1, min(wanted, l // _MIN_SEGMENT_TOKENS))
-    return ScanConfig(segments=segments, fwd_variant="parallel", par_block_d=32, par_tokens=4, par_warps=1)
+    return ScanConfig(segments=segments, fwd_variant="parallel", par_block_d=32, par_tokens=4, par_warps=1,
+                      bwd_variant="parallel", bwd_block_d=8, bwd_tokens=4, bwd_warps=1)
 
 
 # --- argument checks ---------------------------------------------------------------------
@@ -316,61 +335,116 @@ class _SelectiveScanFn(torch.autograd.Function):
         return tuple(gr if needed[i] else None for i, gr in enumerate(grads)) + (None,) * 5
 
 
+# All n state indices sit in each thread of the parallel backward; past this many the tile
+# backward (a loop over state indices) is used instead, whatever the config says.
+_PARALLEL_BWD_MAX_N = 32
+
+
+class _Grads:
+    """The backward kernels' outputs: du, ddelta, dz (b, d, l) in the inputs' dtypes; fp32
+    per-block dB / dC partials (b, g, blocks, n, l), per-row dA (rows, d, n), dD and
+    d(delta_bias) (rows, d) partials, and d(initial state)."""
+
+    def __init__(self, u, delta, z, g, blocks_per_group, n, rows, initial_state, dfinal, num_seqs):
+        bsz, d, l = u.shape
+        f32 = dict(device=u.device, dtype=torch.float32)
+        self.du = torch.empty(bsz, d, l, device=u.device, dtype=u.dtype)
+        self.ddelta = torch.empty(bsz, d, l, device=u.device, dtype=delta.dtype)
+        self.dz = torch.empty(bsz, d, l, device=u.device, dtype=z.dtype) if z is not None else None
+        self.dB_part = torch.empty(bsz, g, blocks_per_group, n, l, **f32)
+        self.dC_part = torch.empty(bsz, g, blocks_per_group, n, l, **f32)
+        self.dA_part = torch.empty(rows, d, n, **f32)
+        self.dD_part = torch.empty(rows, d, **f32)
+        self.dbias_part = torch.empty(rows, d, **f32)
+        self.dinit = None
+        if initial_state is not None:
+            # A sequence with no token passes its final-state gradient straight to its initial state.
+            self.dinit = dfinal.float().clone() if dfinal is not None else torch.zeros(num_seqs, d, n, **f32)
+
+    def outputs(self):
+        opt = lambda t: t if t is not None else self.du  # noqa: E731  (absent: never written)
+        return (self.du, self.ddelta, opt(self.dz), self.dB_part, self.dC_part, self.dA_part, self.dD_part,
+                self.dbias_part, opt(self.dinit))
+
+    def reduced(self, A, B, C, D, delta_bias, initial_state):
+        """The gradients autograd expects, partial sums added up (deterministically)."""
+        dB = self.dB_part.sum(2)  # (b, g, blocks, n, l) -> (b, g, n, l)
+        dC = self.dC_part.sum(2)
+        if B.dim() == 3:
+            dB, dC = dB.squeeze(1), dC.squeeze(1)  # (b, 1, n, l) -> (b, n, l)
+        return (
+            self.du,
+            self.ddelta,
+            self.dA_part.sum(0).to(A.dtype),
+            dB.to(B.dtype),
+            dC.to(C.dtype),
+            self.dD_part.sum(0).to(D.dtype) if D is not None else None,
+            self.dz,
+            self.dbias_part.sum(0).to(delta_bias.dtype) if delta_bias is not None else None,
+            self.dinit.to(initial_state.dtype) if self.dinit is not None else None,
+        )
+
+
 def _backward(u, delta, A, B, C, D, z, delta_bias, initial_state, seq_idx, ckpt, dy, dfinal,
               softplus, cfg: ScanConfig):
     bsz, d, l = u.shape
+    if dy is None:
+        dy = torch.zeros((), device=u.device, dtype=u.dtype).expand(bsz, d, l)
     B32, C32 = _fp32_rows(_bc4(B)), _fp32_rows(_bc4(C))
     A32 = A.float()
     g, n = B32.shape[1], A.shape[1]
     e = d // g
     num_seqs = initial_state.shape[0] if initial_state is not None else bsz
-    if dy is None:
-        dy = torch.zeros((), device=u.device, dtype=u.dtype).expand(bsz, d, l)
-    blocks_per_group = triton.cdiv(e, cfg.bwd_block_d)
-    f32 = dict(device=u.device, dtype=torch.float32)
-    du = torch.empty(bsz, d, l, device=u.device, dtype=u.dtype)
-    ddelta = torch.empty(bsz, d, l, device=u.device, dtype=delta.dtype)
-    dz = torch.empty(bsz, d, l, device=u.device, dtype=z.dtype) if z is not None else None
-    dB_part = torch.empty(bsz, g, blocks_per_group, n, l, **f32)
-    dC_part = torch.empty(bsz, g, blocks_per_group, n, l, **f32)
-    dA_part = torch.empty(bsz, d, n, **f32)
-    dD_part = torch.empty(bsz, d, **f32)
-    dbias_part = torch.empty(bsz, d, **f32)
-    dinit = None
-    if initial_state is not None:
-        # A sequence with no token passes its final-state gradient straight to its initial state.
-        dinit = dfinal.float().clone() if dfinal is not None else torch.zeros(num_seqs, d, n, **f32)
-    dummy = du
+    dummy = dy
     opt = lambda t: t if t is not None else dummy  # noqa: E731
+    common = (u, delta, A32, B32, C32, opt(D), opt(z), opt(delta_bias), opt(seq_idx), opt(initial_state),
+              dy, opt(dfinal), ckpt)
+    strides = (*u.stride(), *delta.stride(), *A32.stride(), *B32.stride()[:3], *C32.stride()[:3],
+               *(z.stride() if z is not None else (0, 0, 0)), *dy.stride(),
+               *_state_strides(initial_state), *_state_strides(dfinal))
+    flags = dict(HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
+                 SOFTPLUS=softplus, PACKED=seq_idx is not None, HAS_INIT=initial_state is not None,
+                 HAS_DFINAL=dfinal is not None, N_PAD=triton.next_power_of_2(n))
+
+    if cfg.bwd_variant == "parallel" and n <= _PARALLEL_BWD_MAX_N:
+        blocks_per_group = triton.cdiv(e, cfg.bwd_block_d)
+        num_segments, seg_len = _segments(l, cfg)
+        grid = (g * blocks_per_group, bsz, num_segments)
+        grads = _Grads(u, delta, z, g, blocks_per_group, n, bsz * num_segments, initial_state, dfinal, num_seqs)
+        f32 = dict(device=u.device, dtype=torch.float32)
+        tiles = cfg.chunk // cfg.bwd_tokens
+        scratch = torch.empty(grid[0] * bsz * num_segments * tiles * flags["N_PAD"] * cfg.bwd_block_d, **f32)
+
+        def launch(carry, seg_lam, seg_decay, lam_only):
+            scan_bwd_parallel_kernel[grid](
+                *common, scratch, opt(carry), opt(seg_lam), opt(seg_decay), *grads.outputs(),
+                d, l, e, n, ckpt.shape[1], seg_len, cfg.chunk, *strides,
+                HAS_CARRY=carry is not None, LAM_ONLY=lam_only, BLOCK_D=cfg.bwd_block_d, T=cfg.bwd_tokens,
+                num_warps=cfg.bwd_warps, **flags,
+            )
+
+        carry = None
+        if num_segments > 1:
+            # lam entering each segment from the later one: each segment's adjoint from zero,
+            # then chained from the last segment backwards (the carry kernel runs forwards,
+            # so the segment axis is flipped around it).
+            seg_lam, seg_decay = (torch.empty(bsz, num_segments, n, d, **f32) for _ in range(2))
+            launch(None, seg_lam, seg_decay, lam_only=True)
+            carry = torch.empty_like(seg_lam)
+            segment_carry_kernel[(triton.cdiv(n * d, 1024), bsz)](
+                seg_lam.flip(1).contiguous(), seg_decay.flip(1).contiguous(), carry, num_segments, n * d, BLOCK=1024
+            )
+            carry = carry.flip(1).contiguous()
+        launch(carry, None, None, lam_only=False)
+        return grads.reduced(A, B, C, D, delta_bias, initial_state)
+
+    blocks_per_group = triton.cdiv(e, cfg.bwd_block_d)
+    grads = _Grads(u, delta, z, g, blocks_per_group, n, bsz, initial_state, dfinal, num_seqs)
     scan_bwd_kernel[(g * blocks_per_group, bsz)](
-        u, delta, A32, B32, C32, opt(D), opt(z), opt(delta_bias), opt(seq_idx), opt(initial_state),
-        dy, opt(dfinal), ckpt,
-        du, ddelta, opt(dz), dB_part, dC_part, dA_part, dD_part, dbias_part, opt(dinit),
-        d, l, e, n, ckpt.shape[1], blocks_per_group,
-        *u.stride(), *delta.stride(), *A32.stride(), *B32.stride()[:3], *C32.stride()[:3],
-        *(z.stride() if z is not None else (0, 0, 0)), *dy.stride(),
-        *_state_strides(initial_state), *_state_strides(dfinal),
-        HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
-        SOFTPLUS=softplus, PACKED=seq_idx is not None, HAS_INIT=initial_state is not None,
-        HAS_DFINAL=dfinal is not None,
-        BLOCK_D=cfg.bwd_block_d, T=cfg.chunk, N_PAD=triton.next_power_of_2(n),
-        N_STATIC=_static_n(n, cfg), num_warps=cfg.bwd_warps,
+        *common, *grads.outputs(), d, l, e, n, ckpt.shape[1], blocks_per_group, *strides,
+        BLOCK_D=cfg.bwd_block_d, T=cfg.chunk, N_STATIC=_static_n(n, cfg), num_warps=cfg.bwd_warps, **flags,
     )
-    dB = dB_part.sum(2)  # (b, g, blocks, n, l) -> (b, g, n, l)
-    dC = dC_part.sum(2)
-    if B.dim() == 3:
-        dB, dC = dB.squeeze(1), dC.squeeze(1)  # (b, 1, n, l) -> (b, n, l)
-    return (
-        du,
-        ddelta,
-        dA_part.sum(0).to(A.dtype),
-        dB.to(B.dtype),
-        dC.to(C.dtype),
-        dD_part.sum(0).to(D.dtype) if D is not None else None,
-        dz,
-        dbias_part.sum(0).to(delta_bias.dtype) if delta_bias is not None else None,
-        dinit.to(initial_state.dtype) if dinit is not None else None,
-    )
+    return grads.reduced(A, B, C, D, delta_bias, initial_state)
 
 
 # --- public functions ------------------------------------------------------------------------
