@@ -66,8 +66,8 @@ class ScanConfig:
 
     ``bwd_variant`` picks the backward kernel: "tile" (``selective_scan_bwd``: (bwd_block_d,
     chunk) tiles with tokens over threads, a loop over state indices) or "parallel"
-    (``selective_scan_bwd_parallel``: (bwd_block_d, bwd_tokens, n) tiles scanned in the
-    thread, the sequence split into the same segments as the forward). Both run bwd_block_d
+    (``selective_scan_bwd_parallel``: (bwd_block_d, bwd_tokens, n) tiles scanned over their
+    in-thread token axis, the sequence split into the same segments as the forward). Both run bwd_block_d
     channels per program on bwd_warps warps."""
 
     chunk: int = 64

@@ -1,21 +1,24 @@
-"""Backward kernel of the Mamba-1 selective scan with tokens and states in the thread
-(``ScanConfig(bwd_variant="parallel")``), the layout of ``selective_scan_fwd_parallel``.
+"""Backward kernel of the Mamba-1 selective scan over the tiles of ``selective_scan_fwd_parallel``
+(``ScanConfig(bwd_variant="parallel")``).
 
 Dimension letters: b batch, d channels, l tokens, n state size (N_PAD: next power of two),
 g groups of B / C, e channels per group, T tokens of one tile, K checkpoint chunks, G segments.
 
 Why this layout: the tile backward (``selective_scan_bwd``) spreads tokens over threads, so
 both of its scans over time shuffle between lanes and every state index costs cross-warp
-reductions. Here a program owns BLOCK_D channels (one per lane) of one batch row and one
-segment, and every (channel, token, state) element of a (BLOCK_D, T, N_PAD) tile sits in its
-thread: the forward recompute and the adjoint are in-thread scans, and the sums over state
-indices (du, ddelta, y for dz) are in-thread too. Only dB and dC sum over channels, across
-the warp's lanes.
+reductions. Here a program owns BLOCK_D channels of one batch row and one segment and works on
+(BLOCK_D, T, N_PAD) tiles whose token axis sits in the thread, so the forward recompute and
+the adjoint are in-thread scans. Where the other two axes go is Triton's choice, made from the
+B / C loads: compiled for sm_90 by triton 3.9 (8 x 4 tiles, bf16 inputs) a thread holds 4
+channels x 4 tokens of one state index, and the 16 state indices sit on 16 lanes. The sums
+over channels (dB, dC) are then in the thread plus one shuffle, and the sums over state
+indices (du, ddelta, y for dz) cost four shuffle rounds each: the kernel's main cost
+(benchmarks/results/kernels/README.md).
 
 Per checkpoint chunk (walked from last to first):
   pass A, forward over the chunk's tiles from the checkpoint state, stores the state
     entering every tile in a per-program scratch (BLOCK_D * N_PAD * chunk / T floats, read
-    back by the same threads in pass B, so it stays in cache);
+    back by the same program in pass B, so it stays in cache);
   pass B, the tiles in reverse: recompute the tile's states from its scratch state, run the
     adjoint lam_t = C_t dy_t + a_{t+1} lam_{t+1} as a reverse scan (a_{t+1} from delta
     loaded one token later), and accumulate every gradient.
