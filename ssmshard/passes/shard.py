@@ -336,7 +336,13 @@ def _rule_embedding(s: _Sharder, node):
         above = s._new(aten.ge.Scalar, (local, rows), node, val=ids.meta["val"].bool())
         outside = s._new(aten.logical_or.default, (below, above), node, val=ids.meta["val"].bool())
         safe = s._new(aten.masked_fill.Scalar, (local, outside, 0), node, val=ids.meta["val"])
-    node.args = (weight, safe, *node.args[2:])
+    # padding_idx names a global row: it is this rank's local row (index - start) or none (-1).
+    # Left global, rank r would drop the gradient of global row start_r + padding_idx.
+    rest = list(node.args[2:])
+    padding_idx = rest[0] if rest else -1
+    if padding_idx >= 0:
+        rest[0] = padding_idx - start if 0 <= padding_idx - start < rows else -1
+    node.args = (weight, safe, *rest)
     users = list(node.users)
     with g.inserting_after(node):
         keep = s._new(aten.unsqueeze.default, (outside, -1), node)
