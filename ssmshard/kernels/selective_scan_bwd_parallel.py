@@ -40,39 +40,7 @@ import triton
 import triton.language as tl
 
 from ssmshard.kernels.scan_common import LN2, LOG2E, boundaries, discretise, linear_recurrence_combine
-
-
-@triton.jit
-def _tokens(rows, s_l, t3, mask):
-    # A (BLOCK_D, T, 1) per-token tile in fp32.
-    return tl.load(rows + t3 * s_l, mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _bc(row, s_n, n3, t3, ch3, mask):
-    # B or C as (BLOCK_D, T, N_PAD) with stride 0 over channels: one layout with the tile.
-    return tl.load(row + 0 * ch3 + n3 * s_n + t3, mask=mask, other=0.0)
-
-
-@triton.jit
-def _states(h_in, dt, dtu, A2, B, tv3, seq, is_start, ch3, n3, state_mask, init_ptr, si_s, si_d, si_n,
-            PACKED: tl.constexpr, HAS_INIT: tl.constexpr):
-    """States h over the tile (BLOCK_D, T, N_PAD) from the state h_in entering it, and the
-    raw step input x = dt u B (h - x = a_t h_{t-1}, the initial state's share at a start)."""
-    decay = tl.exp2(dt * A2)
-    x = dtu * B
-    x_eff = x
-    if PACKED:
-        start3 = is_start[None, :, None]
-        if HAS_INIT:
-            if tl.max(is_start.to(tl.int32), axis=0) > 0:
-                init = tl.load(init_ptr + seq.to(tl.int64)[None, :, None] * si_s + ch3 * si_d + n3 * si_n,
-                               mask=state_mask[:, None, :] & start3, other=0.0)
-                x_eff = x + decay * init.to(tl.float32)
-        decay = tl.where(start3, 0.0, decay)
-    x_eff = tl.where(tv3 == 0, x_eff + decay * h_in[:, None, :], x_eff)
-    _, h = tl.associative_scan((decay, x_eff), 1, linear_recurrence_combine)
-    return h, x
+from ssmshard.kernels.selective_scan_fwd_parallel import load_bc, load_tokens, tile_states
 
 
 @triton.jit
@@ -196,10 +164,10 @@ def scan_bwd_parallel_kernel(
                     t3 = t[None, :, None]
                     tile_mask = ch_mask[:, None, None] & (t3 < l)
                     bc_mask = state_mask[:, None, :] & (t3 < l)
-                    dt = tl.where(tile_mask, discretise(_tokens(delta_rows, sdl_l, t3, tile_mask), bias3, SOFTPLUS), 0.0)
-                    dtu = dt * _tokens(u_rows, su_l, t3, tile_mask)
+                    dt = tl.where(tile_mask, discretise(load_tokens(delta_rows, sdl_l, t3, tile_mask), bias3, SOFTPLUS), 0.0)
+                    dtu = dt * load_tokens(u_rows, su_l, t3, tile_mask)
                     seq, is_start, is_end = boundaries(seq_ptr, t, l, PACKED)
-                    hs, x = _states(h, dt, dtu, A2, _bc(B_row, sB_n, n3, t3, ch3, bc_mask).to(tl.float32), tv3,
+                    hs, x = tile_states(h, dt, dtu, A2, load_bc(B_row, sB_n, n3, t3, ch3, bc_mask).to(tl.float32), tv3,
                                     seq, is_start, ch3, n3, state_mask, init_ptr, si_s, si_d, si_n, PACKED, HAS_INIT)
                     h = tl.sum(tl.where(tv3 == T - 1, hs, -0.0), axis=1)
 
@@ -211,18 +179,18 @@ def scan_bwd_parallel_kernel(
             tile_mask = ch_mask[:, None, None] & (t3 < l)
             next_mask = ch_mask[:, None, None] & (t3 + 1 < l)
             bc_mask = state_mask[:, None, :] & (t3 < l)
-            delta = _tokens(delta_rows, sdl_l, t3, tile_mask)
+            delta = load_tokens(delta_rows, sdl_l, t3, tile_mask)
             # Tokens past l are identity steps (dt = 0: decay 1, input 0).
             dt = tl.where(tile_mask, discretise(delta, bias3, SOFTPLUS), 0.0)
-            dt_next = tl.where(next_mask, discretise(_tokens(delta_rows, sdl_l, t3 + 1, next_mask), bias3, SOFTPLUS), 0.0)
-            dy = _tokens(dy_rows, sdy_l, t3, tile_mask)
+            dt_next = tl.where(next_mask, discretise(load_tokens(delta_rows, sdl_l, t3 + 1, next_mask), bias3, SOFTPLUS), 0.0)
+            dy = load_tokens(dy_rows, sdy_l, t3, tile_mask)
             dy_ssm = dy
             if HAS_Z:
-                z = _tokens(z_rows, sz_l, t3, tile_mask)
+                z = load_tokens(z_rows, sz_l, t3, tile_mask)
                 z_sig = tl.sigmoid(z)
                 dy_ssm = dy * (z * z_sig)  # gradient reaching the ungated output
             seq, is_start, is_end = boundaries(seq_ptr, t, l, PACKED)
-            C = _bc(C_row, sC_n, n3, t3, ch3, bc_mask).to(tl.float32)
+            C = load_bc(C_row, sC_n, n3, t3, ch3, bc_mask).to(tl.float32)
             lam, lam_next = _adjoint(lam_next, dt_next, A2, C, dy_ssm, tv3, seq, is_end, ch3, n3, state_mask,
                                      dfinal_ptr, sdf_s, sdf_d, sdf_n, PACKED, HAS_DFINAL, T)
             if LAM_ONLY:
@@ -230,11 +198,11 @@ def scan_bwd_parallel_kernel(
                 if PACKED:
                     cut = cut | (tl.max(is_end.to(tl.int32), axis=0) > 0)
             else:
-                u = _tokens(u_rows, su_l, t3, tile_mask)
+                u = load_tokens(u_rows, su_l, t3, tile_mask)
                 dtu = dt * u
-                B = _bc(B_row, sB_n, n3, t3, ch3, bc_mask).to(tl.float32)
+                B = load_bc(B_row, sB_n, n3, t3, ch3, bc_mask).to(tl.float32)
                 h_in = tl.load(scratch + j * N_PAD * BLOCK_D)
-                hs, x = _states(h_in, dt, dtu, A2, B, tv3, seq, is_start, ch3, n3, state_mask,
+                hs, x = tile_states(h_in, dt, dtu, A2, B, tv3, seq, is_start, ch3, n3, state_mask,
                                 init_ptr, si_s, si_d, si_n, PACKED, HAS_INIT)
                 lam_ah = lam * (hs - x)  # lam_t * a_t * h_{t-1}
                 # Sums over channels (lanes): per (token, state) partials of this block.

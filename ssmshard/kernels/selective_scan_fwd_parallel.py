@@ -48,6 +48,44 @@ def _state_tile_ptrs(base, ch64, nv, s_n):
 
 
 @triton.jit
+def load_tokens(rows, s_l, t3, mask):
+    """A (BLOCK_D, T, 1) per-token tile (u, delta, z, dy) in fp32."""
+    return tl.load(rows + t3 * s_l, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def load_bc(row, s_n, n3, t3, ch3, mask):
+    """B or C as (BLOCK_D, T, N_PAD) through pointers with stride 0 over channels, so that the
+    load's layout is the tile arithmetic's."""
+    return tl.load(row + 0 * ch3 + n3 * s_n + t3, mask=mask, other=0.0)
+
+
+@triton.jit
+def tile_states(h_in, dt, dtu, A2, B, tv3, seq, is_start, ch3, n3, state_mask, init_ptr, si_s, si_d, si_n,
+                PACKED: tl.constexpr, HAS_INIT: tl.constexpr):
+    """States h over a (BLOCK_D, T, N_PAD) tile from the state h_in entering it, and the raw
+    step input x = dt u B (so h - x = a_t h_{t-1}, the initial state's share at a start).
+
+    Packed sequences cut the recurrence at sequence starts: nothing is carried in, and the
+    sequence's own initial state (decayed by one step) joins the input instead."""
+    decay = tl.exp2(dt * A2)
+    x = dtu * B
+    x_eff = x
+    if PACKED:
+        start3 = is_start[None, :, None]
+        if HAS_INIT:
+            if tl.max(is_start.to(tl.int32), axis=0) > 0:
+                init = tl.load(init_ptr + seq.to(tl.int64)[None, :, None] * si_s + ch3 * si_d + n3 * si_n,
+                               mask=state_mask[:, None, :] & start3, other=0.0)
+                x_eff = x + decay * init.to(tl.float32)
+        decay = tl.where(start3, 0.0, decay)
+    # The state carried in enters through the tile's first token.
+    x_eff = tl.where(tv3 == 0, x_eff + decay * h_in[:, None, :], x_eff)
+    _, h = tl.associative_scan((decay, x_eff), 1, linear_recurrence_combine)
+    return h, x
+
+
+@triton.jit
 def _tile_step(
     t0, state, dt_sum, restarted, A3, bias3, ch, ch64, ch_mask, nv, n_mask, tv, b64,
     u_rows, su_l, delta_rows, sdl_l, z_rows, sz_l, y_rows, sy_l, B_row, C_row, sB_n, sC_n,
@@ -76,33 +114,18 @@ def _tile_step(
             rows = ckpt_ptr + (b64 * num_ckpt + t0 // ckpt_chunk) * n * d
             tl.store(_state_tile_ptrs(rows, ch64, nv, d), state, mask=state_mask)
 
-    u = tl.load(u_rows + t3 * su_l, mask=tile_mask, other=0.0).to(tl.float32)  # (BLOCK_D, T, 1)
-    delta = tl.load(delta_rows + t3 * sdl_l, mask=tile_mask, other=0.0).to(tl.float32)
+    u = load_tokens(u_rows, su_l, t3, tile_mask)  # (BLOCK_D, T, 1)
+    delta = load_tokens(delta_rows, sdl_l, t3, tile_mask)
     # Tokens past l become identity steps (dt 0: decay 1, input 0): the state passes through.
     dt = tl.where(tile_mask, discretise(delta, bias3, SOFTPLUS), 0.0)
-    B = tl.load(B_row + 0 * ch3 + n3 * sB_n + t3, mask=bc_mask, other=0.0).to(tl.float32)  # (BLOCK_D, T, N_PAD)
-    decay = tl.exp2(dt * A3)  # (BLOCK_D, T, N_PAD)
-    x = (dt * u) * B
+    B = load_bc(B_row, sB_n, n3, t3, ch3, bc_mask).to(tl.float32)  # (BLOCK_D, T, N_PAD)
     seq, is_start, is_end = boundaries(seq_ptr, t, l, PACKED)
-    has_start = tl.max(is_start.to(tl.int32), axis=0) > 0
-    if PACKED:
-        # Cut the recurrence at sequence starts: nothing carried in, the sequence's own
-        # initial state (decayed by one step) joins the input instead.
-        start3 = is_start[None, :, None]
-        seq3 = seq.to(tl.int64)[None, :, None]
-        if HAS_INIT:
-            if has_start:
-                init = tl.load(init_ptr + seq3 * si_s + ch3 * si_d + n3 * si_n,
-                               mask=state_mask[:, None, :] & start3, other=0.0)
-                x += decay * init.to(tl.float32)
-        decay = tl.where(start3, 0.0, decay)
     if not WITH_OUTPUT:
         # Segment pass: the segment's total decay is exp(A * sum dt), or 0 once it restarts.
         dt_sum += tl.sum(tl.sum(dt, axis=2), axis=1)
-        restarted = restarted | has_start
-    # The state carried in enters through the tile's first token.
-    x = tl.where(tv3 == 0, x + decay * state[:, None, :], x)
-    _, h = tl.associative_scan((decay, x), 1, linear_recurrence_combine)
+        restarted = restarted | (tl.max(is_start.to(tl.int32), axis=0) > 0)
+    h, _ = tile_states(state, dt, dt * u, A3, B, tv3, seq, is_start, ch3, n3, state_mask,
+                       init_ptr, si_s, si_d, si_n, PACKED, HAS_INIT)
 
     if PACKED and STORE_FINAL:
         has_end = tl.max(is_end.to(tl.int32), axis=0) > 0
@@ -123,13 +146,13 @@ def _tile_step(
     state = tl.sum(tl.where(tv3 == T - 1, h, -0.0), axis=1)
 
     if WITH_OUTPUT:
-        C = tl.load(C_row + 0 * ch3 + n3 * sC_n + t3, mask=bc_mask, other=0.0).to(tl.float32)
+        C = load_bc(C_row, sC_n, n3, t3, ch3, bc_mask).to(tl.float32)
         y = tl.sum(h * C, axis=2, keep_dims=True)  # (BLOCK_D, T, N_PAD) -> (BLOCK_D, T, 1)
         if HAS_D:
             D = tl.load(D_ptr + ch, mask=ch_mask, other=0.0).to(tl.float32)
             y += D[:, None, None] * u
         if HAS_Z:
-            z = tl.load(z_rows + t3 * sz_l, mask=tile_mask, other=0.0).to(tl.float32)
+            z = load_tokens(z_rows, sz_l, t3, tile_mask)
             y = y * (z * tl.sigmoid(z))
         tl.store(y_rows + t3 * sy_l, y, mask=tile_mask)
     return state, dt_sum, restarted
