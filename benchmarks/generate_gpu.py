@@ -589,6 +589,9 @@ class Bench:
             started = time.perf_counter()
             if model is None:
                 model = build_random_model(config, self.device, self.suite.dtype, self.args.seed)  # ours too
+                # Fixed-length greedy runs on both sides: no EOS stop. Not min_new_tokens, which
+                # forces the EOS logit to -inf and so changes the greedy ids whenever EOS is the argmax.
+                model.generation_config.eos_token_id = None
                 path = hf_kernel_path(model, self.device)
             ids = prompt_ids(config.vocab_size, batch, length, self.args.seed).to(self.device)
             pad = config.pad_token_id if config.pad_token_id is not None else 0
@@ -596,7 +599,7 @@ class Bench:
             def generate(tokens):
                 with torch.no_grad():
                     return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
-                                          min_new_tokens=tokens, do_sample=False, pad_token_id=pad)
+                                          do_sample=False, pad_token_id=pad)
             try:
                 reset_peak(self.device)
                 generate(2)

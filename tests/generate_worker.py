@@ -48,6 +48,14 @@ def generate_results(rank, world, families, seed, out_path, sampling_families=("
                                 eos_token_id=eos, pad_token_id=PAD)
         result = {"family": family, "tp": world, "greedy_equal_hf": torch.equal(ours, hf), "ours": ours.tolist(),
                   "hf": hf.tolist(), "greedy_same_on_all_ranks": _same_on_every_rank(ours)}
+        if eos != PAD:
+            # No mask passed: HF takes the PAD ids for padding (PAD is not EOS here), so must we.
+            unmasked = dm.generate(ids, max_new_tokens=6, eos_token_id=eos, pad_token_id=PAD)
+            with torch.no_grad():
+                hf_unmasked = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=eos,
+                                             pad_token_id=PAD)
+            result["unmasked_equal_hf"] = torch.equal(unmasked, hf_unmasked)
+            result["unmasked"], result["hf_unmasked"] = unmasked.tolist(), hf_unmasked.tolist()
         # States after prefill: each rank's share of the global state tensors.
         local_prefill, _ = dm.generation_programs()
         _, local_states = dm.prefill(ids, mask)

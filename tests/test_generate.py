@@ -22,10 +22,13 @@ def test_generate_matches_hf_generate_and_states_are_sharded(tp, tmp_path, fresh
     ssmshard.launch(generate_worker.generate_results, tp, SIX_FAMILIES, fresh_seed, str(out))
     results = json.loads(out.read_text())
     assert [r["family"] for r in results] == SIX_FAMILIES
+    assert sum("unmasked_equal_hf" in r for r in results) >= 3  # the families whose EOS is not the pad id
     for r in results:
         where = f"{r['family']} tp={tp} (seed {fresh_seed})"
         assert r["greedy_equal_hf"], f"{where}: ours {r['ours']} vs HF {r['hf']}"
         assert r["greedy_same_on_all_ranks"], where
+        if "unmasked_equal_hf" in r:  # no attention_mask: the pad ids are padding, as in HF
+            assert r["unmasked_equal_hf"], f"{where}: ours {r['unmasked']} vs HF {r['hf_unmasked']}"
         if "chunked_logits_err" in r:  # prefill in chunks of 4 on this rank's shards
             assert r["chunked_logits_err"] < 1e-5, (where, r["chunked_logits_err"])
             assert max(r["chunked_state_errs"]) < 1e-5, (where, r["chunked_state_errs"])

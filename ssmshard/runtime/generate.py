@@ -93,6 +93,16 @@ def prompt_inputs(input_ids, attention_mask):
     return attention_mask, position_ids
 
 
+def inferred_attention_mask(input_ids, pad_token_id, eos):
+    """HF ``generate``'s mask when none is passed: ids equal to ``pad_token_id`` are padding,
+    unless the pad id is also an EOS id (then nothing can be told apart and the mask is all ones).
+    Without this, a prompt that contains the pad id would be read whole here and with that token
+    masked out by HF, and the generated ids would differ."""
+    if pad_token_id is None or pad_token_id in eos or not bool((input_ids == pad_token_id).any()):
+        return None
+    return input_ids.ne(pad_token_id).long()
+
+
 @torch.no_grad()
 def generate(prefill_program, decode, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, *,
              max_new_tokens: int = 20, do_sample: bool = False, temperature: float = 1.0,
@@ -103,13 +113,17 @@ def generate(prefill_program, decode, input_ids: torch.Tensor, attention_mask: O
     """Prompt ids (b, l), left-padded where ``attention_mask`` (b, l) is 0, followed by up to
     ``max_new_tokens`` generated ids: (b, l + n), like ``model.generate``.
 
-    Sampling draws from ``generator`` (default: torch's global generator) on rank 0 only.
+    With no ``attention_mask``, ids equal to ``pad_token_id`` are taken for padding, as HF does
+    (not when the pad id is also an EOS id). Sampling draws from ``generator`` (default: torch's
+    global generator) on rank 0 only.
     ``prefill_chunk_size``: prefill prompts longer than this chunk by chunk through
     ``chunk_program`` (see :func:`prefill`).
     """
     _check_options(max_new_tokens, temperature, top_k, top_p)
-    attention_mask, position_ids = prompt_inputs(input_ids, attention_mask)
     eos = [] if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
+    if attention_mask is None:
+        attention_mask = inferred_attention_mask(input_ids, pad_token_id, eos)
+    attention_mask, position_ids = prompt_inputs(input_ids, attention_mask)
     if eos and pad_token_id is None:
         pad_token_id = eos[0]  # what HF does when the model defines no pad token
     eos_ids = torch.tensor(eos, dtype=input_ids.dtype, device=input_ids.device)
