@@ -634,6 +634,22 @@ def tiles_per_program(config: TileConfig, bsz: int, d: int, l: int, target_progr
     return triton.cdiv(tiles_l, triton.cdiv(tiles_l, tiles))
 
 
+def _in_tile_layout(t: Tensor, config: TileConfig) -> Tensor:
+    """``t`` with the unit stride on the axis the tile's vectors run along (channels, or tokens).
+
+    The tiles are laid out for x's memory layout; a gradient in the other one turns every
+    vector access into one 32-byte sector per element. Mamba's conv gets exactly that: x is a
+    channels-contiguous slice of in_proj's output, the scan's du is tokens-contiguous. Measured
+    in a Mamba-1.4B-sized training step on an H200: 7.2 ms per conv backward call (b=1, d=4096,
+    ~6,500 tokens, 30.6% of the step); one transposing copy is a single pass over the tensor."""
+    unit_axis = 1 if config.channels_last else 2
+    if t.stride(unit_axis) == 1:
+        return t
+    if config.channels_last:
+        return t.transpose(1, 2).contiguous().transpose(1, 2)  # (b, l, d) memory, (b, d, l) view
+    return t.contiguous()
+
+
 def conv_backward(x, weight, bias, activation, cu_seqlens, initial_states, grad_out, grad_final,
                   config: Optional[TileConfig] = None):
     """Returns (dx, dweight, dbias or None, dinitial_states or None)."""
@@ -642,6 +658,7 @@ def conv_backward(x, weight, bias, activation, cu_seqlens, initial_states, grad_
     k = weight.shape[1]
     config = config or default_tile_config(x, k, backward=True)
     _check_config(config, k)
+    grad_out = _in_tile_layout(grad_out, config)
     # Backward programs keep dweight partial sums: looping over tiles keeps their rows few.
     tiles = tiles_per_program(config, bsz, d, l, target_programs=4096)
     programs_l = triton.cdiv(triton.cdiv(l, config.block_l), tiles)
