@@ -113,7 +113,7 @@ def scan_bwd_kernel(
     dy_ptr, dfinal_ptr, ckpt_ptr,
     du_ptr, ddelta_ptr, dz_ptr, dB_part_ptr, dC_part_ptr, dA_part_ptr, dD_part_ptr,
     dbias_part_ptr, dinit_ptr,
-    d, l, e, n, num_chunks, blocks_per_group,
+    d, l, e, n, num_chunks, blocks_per_group, row_len,
     su_b, su_d, su_l,
     sdl_b, sdl_d, sdl_l,
     sA_d, sA_n,
@@ -127,9 +127,10 @@ def scan_bwd_kernel(
     PACKED: tl.constexpr, HAS_INIT: tl.constexpr, HAS_DFINAL: tl.constexpr,
     BLOCK_D: tl.constexpr, T: tl.constexpr, N_PAD: tl.constexpr, N_STATIC: tl.constexpr,
 ):
-    """Outputs (all contiguous): du, ddelta, dz (b, d, l) in the inputs' dtypes; dB_part,
-    dC_part (b, g, blocks_per_group, n, l), dA_part (b, d, n), dD_part and dbias_part (b, d),
-    dinit (S or b, d, n), all fp32. B and C are fp32 with unit stride along l; checkpoints
+    """Outputs: du, ddelta, dz (b, d, l) in the inputs' dtypes and dB_part, dC_part
+    (b, g, blocks_per_group, n, l) fp32, all in rows of ``row_len`` >= l elements (aligned rows,
+    see ``selective_scan._row_buffer``); dA_part (b, d, n), dD_part and dbias_part (b, d), dinit
+    (S or b, d, n), all contiguous fp32. B and C are fp32 with unit stride along l; checkpoints
     are (b, num_chunks, n, d) fp32."""
     pid_blk = tl.program_id(0)
     pid_b = tl.program_id(1)
@@ -148,10 +149,10 @@ def scan_bwd_kernel(
     delta_rows = delta_ptr + b64 * sdl_b + ch64[:, None] * sdl_d
     z_rows = z_ptr + b64 * sz_b + ch64[:, None] * sz_d
     dy_rows = dy_ptr + b64 * sdy_b + ch64[:, None] * sdy_d
-    out_rows = (b64 * d + ch64[:, None]) * l  # du / ddelta / dz are contiguous (b, d, l)
+    out_rows = (b64 * d + ch64[:, None]) * row_len  # du / ddelta / dz: (b, d, l) in rows of row_len
     B_row = B_ptr + b64 * sB_b + grp * sB_g
     C_row = C_ptr + b64 * sC_b + grp * sC_g
-    part_row = ((b64 * (d // e) + grp) * blocks_per_group + blk) * n * l  # into (b, g, blocks, n, l)
+    part_row = ((b64 * (d // e) + grp) * blocks_per_group + blk) * n * row_len  # into (b, g, blocks, n, l)
     bias = tl.zeros((BLOCK_D,), dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + ch, mask=ch_mask, other=0.0).to(tl.float32)
@@ -214,7 +215,7 @@ def scan_bwd_kernel(
                     T, PACKED, HAS_INIT, HAS_DFINAL,
                 )
 
-        part_ptrs = part_row + rows_n[:, None] * l + t[None, :]
+        part_ptrs = part_row + rows_n[:, None] * row_len + t[None, :]
         part_mask = (rows_n[:, None] < n) & t_mask[None, :]
         tl.store(dB_part_ptr + part_ptrs, dB_tile, mask=part_mask)
         tl.store(dC_part_ptr + part_ptrs, dC_tile, mask=part_mask)

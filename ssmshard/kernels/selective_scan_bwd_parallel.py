@@ -71,7 +71,7 @@ def scan_bwd_parallel_kernel(
     dy_ptr, dfinal_ptr, ckpt_ptr, scratch_ptr, carry_ptr, seg_lam_ptr, seg_decay_ptr,
     du_ptr, ddelta_ptr, dz_ptr, dB_part_ptr, dC_part_ptr, dA_part_ptr, dD_part_ptr,
     dbias_part_ptr, dinit_ptr,
-    d, l, e, n, num_chunks, seg_len, chunk,
+    d, l, e, n, num_chunks, seg_len, chunk, row_len,
     su_b, su_d, su_l,
     sdl_b, sdl_d, sdl_l,
     sA_d, sA_n,
@@ -117,10 +117,10 @@ def scan_bwd_parallel_kernel(
     delta_rows = delta_ptr + b64 * sdl_b + ch3 * sdl_d
     z_rows = z_ptr + b64 * sz_b + ch3 * sz_d
     dy_rows = dy_ptr + b64 * sdy_b + ch3 * sdy_d
-    out_rows = (b64 * d + ch3) * l  # du / ddelta / dz are contiguous (b, d, l)
+    out_rows = (b64 * d + ch3) * row_len  # du / ddelta / dz: (b, d, l) in rows of row_len
     B_row = B_ptr + b64 * sB_b + grp * sB_g
     C_row = C_ptr + b64 * sC_b + grp * sC_g
-    part_row = ((b64 * (d // e) + grp) * blocks_per_group + blk) * n * l  # into (b, g, blocks, n, l)
+    part_row = ((b64 * (d // e) + grp) * blocks_per_group + blk) * n * row_len  # into (b, g, blocks, n, l)
     tiles = chunk // T
     program = (seg_row * num_blocks + pid_blk).to(tl.int64)
     scratch = scratch_ptr + program * tiles * N_PAD * BLOCK_D + nv[None, :] * BLOCK_D + tl.arange(0, BLOCK_D)[:, None]
@@ -206,7 +206,7 @@ def scan_bwd_parallel_kernel(
                                 init_ptr, si_s, si_d, si_n, PACKED, HAS_INIT)
                 lam_ah = lam * (hs - x)  # lam_t * a_t * h_{t-1}
                 # Sums over channels (lanes): per (token, state) partials of this block.
-                part = part_row + nv[None, :] * l + t[:, None]  # (T, N_PAD)
+                part = part_row + nv[None, :] * row_len + t[:, None]  # (T, N_PAD)
                 part_mask = n_mask[None, :] & (t[:, None] < l)
                 tl.store(dC_part_ptr + part, tl.sum(dy_ssm * hs, axis=0), mask=part_mask)
                 tl.store(dB_part_ptr + part, tl.sum(lam * dtu, axis=0), mask=part_mask)
