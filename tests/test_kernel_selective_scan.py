@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from ssmshard import ops  # noqa: F401  (registers torch.ops.ssmshard)
 from ssmshard.kernels import reference
-from ssmshard.kernels.selective_scan import ScanConfig, selective_scan, selective_scan_as_op
+from ssmshard.kernels.selective_scan import ScanConfig, _segments, selective_scan, selective_scan_as_op
 from ssmshard.kernels.state_update import selective_state_update
 from test_ops import seq_state_update  # float64 decode-step loop, Mamba-2 layout, head by head
 
@@ -197,6 +197,23 @@ def test_scan_packed(fresh_seed, with_init, variant):
 def test_scan_packed_segments(fresh_seed, variant):
     inputs, softplus = make_scan_inputs(1, 4, PACK[-1], 8, num_init=len(PACK) - 1)
     check_scan(inputs, softplus, offsets=PACK, cfg=ScanConfig(**{**VARIANTS[variant].__dict__, "segments": 2}))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("starts", [(18, 47), (18, 60), (18, 41)],
+                         ids=["boundaries", "segment-inside-one", "end-on-chunk-first-token"])
+def test_scan_packed_segment_passes_skip_dead_work(fresh_seed, variant, starts):
+    """Four segments of 16 tokens over a packed row, sequences placed so that the segment
+    passes trim or skip work (``_segment_pass_ranges``): a sequence starting exactly on a
+    segment boundary (16), sequences spanning boundaries, a segment holding several ends and
+    starts, a segment lying inside one sequence, and a sequence whose last token is the first
+    of a checkpoint chunk on the interpreter (the adjoint-only pass stops by whole chunks)."""
+    cfg = ScanConfig(**{**VARIANTS[variant].__dict__, "segments": 4})
+    l = 64
+    assert _segments(l, cfg) == (4, 16)  # the layout the offsets below are placed against
+    offsets = [0, 3, 16, *starts, l]  # sequences [0,3) [3,16) [16,b) [b,c) [c,64)
+    inputs, softplus = make_scan_inputs(1, 4, l, 8, num_init=len(offsets) - 1)
+    check_scan(inputs, softplus, offsets=offsets, cfg=cfg)
 
 
 def test_scan_parallel_short_tile(fresh_seed):

@@ -21,7 +21,8 @@ instructions each (SASS: ~10 instructions per element in all), so it is compute 
 design goal is one pass with nothing beyond that arithmetic; ``selective_scan_fwd`` has the
 layout that gets there, and the sequence segments used when b * d is too small to fill the
 GPU (B=1, d=5120: 160 warps); segments cost a second read of u and delta and one more exp2
-per element, and buy G-fold parallelism. With gradients
+per element, and buy G-fold parallelism (on packed rows the segment passes walk only the tokens
+whose effect can cross a segment boundary: ``_segment_pass_ranges``). With gradients
 the forward also writes the state at every chunk start: b*d*n*l*4/chunk = 84 MB at chunk=64.
 Backward: reads u, delta, z, dy, checkpoints, writes du, ddelta, dz: 1.26 GB; plus the dB/dC
 per-channel-block partials, 2*b*n*l*4 bytes per block = 671 MB at 16-channel blocks, written
@@ -210,6 +211,37 @@ def _sequence_index(cu_seqlens: Tensor, l: int) -> Tensor:
     return torch.searchsorted(cu_seqlens[1:].contiguous(), tokens, right=True).to(torch.int32)
 
 
+def _segment_pass_ranges(cu_seqlens: Tensor, l: int, num_segments: int, seg_len: int) -> tuple[Tensor, Tensor]:
+    """The tokens the two segment passes need on a packed row (device tensors, no host sync).
+
+    The forward's segment pass finds each segment's end state from a zero start: only tokens
+    from the last sequence start in the segment on count, and none when the next segment opens
+    with a sequence start (it restarts there) or no segment follows. The backward's adjoint-only
+    pass finds lam at a segment's first token from lam = 0 after it: only tokens up to the first
+    sequence end in the segment count, and none when the segment opens with a sequence start
+    (the previous segment's last token ends a sequence and cuts the adjoint) or is the first.
+    Skipped work is the share of those passes that packing makes useless; results are the same.
+
+    Returns fwd (G, 2) int32 [lo, hi) and bwd (G,) int32 hi (from the segment's start); an
+    empty range is [start, start).
+    """
+    begin = torch.arange(num_segments, device=cu_seqlens.device, dtype=torch.int32) * seg_len  # (G,)
+    end = torch.clamp(begin + seg_len, max=l)
+    ends = cu_seqlens[1:].contiguous()
+
+    def start_of_sequence_holding(t):  # the sequence holding token t starts at cu_seqlens[that]
+        return cu_seqlens[torch.searchsorted(ends, t, right=True)]
+
+    restart_next = (end < l) & (start_of_sequence_holding(torch.clamp(end, max=l - 1)) == end)
+    fwd_lo = torch.maximum(begin, start_of_sequence_holding(end - 1))
+    fwd_skip = (end >= l) | restart_next
+    fwd = torch.stack([torch.where(fwd_skip, begin, fwd_lo), torch.where(fwd_skip, begin, end)], dim=1)
+    first = torch.searchsorted(ends, begin, right=True)  # the sequence holding each segment's first token
+    bwd_skip = (begin == 0) | (cu_seqlens[first] == begin)
+    bwd = torch.where(bwd_skip, begin, torch.minimum(end, cu_seqlens[first + 1]))
+    return fwd.to(torch.int32).contiguous(), bwd.to(torch.int32).contiguous()
+
+
 # --- launches ---------------------------------------------------------------------------
 
 
@@ -281,7 +313,8 @@ def _forward_kernel(u, delta, z, y, n, cfg: ScanConfig):
 
 
 def _launch_forward(u, delta, A, B32, C32, D, z, delta_bias, softplus, seq_idx, initial_state,
-                    final, ckpt, y, cfg: ScanConfig):
+                    final, ckpt, y, cfg: ScanConfig, pass_ranges: Optional[Tensor] = None):
+    """``pass_ranges``: the segment pass's token ranges on packed rows (``_segment_pass_ranges``)."""
     bsz, d, l = u.shape
     g, n = B32.shape[1], A.shape[1]
     e = d // g
@@ -291,10 +324,10 @@ def _launch_forward(u, delta, A, B32, C32, D, z, delta_bias, softplus, seq_idx, 
     opt = lambda t: t if t is not None else dummy  # noqa: E731
     zs = z.stride() if z is not None else (0, 0, 0)
 
-    def launch(carry, seg_end, seg_decay, with_output):
+    def launch(carry, seg_end, seg_decay, with_output, ranges=None):
         kernel[(g * triton.cdiv(e, block_d), bsz, num_segments)](
             u, delta, A, B32, C32, opt(D), opt(z), opt(delta_bias), opt(seq_idx), opt(initial_state),
-            y, opt(final), opt(ckpt), opt(carry), opt(seg_end), opt(seg_decay),
+            y, opt(final), opt(ckpt), opt(carry), opt(seg_end), opt(seg_decay), opt(ranges),
             d, l, e, n, seg_len, cfg.chunk,
             *u.stride(), *delta.stride(), *A.stride(), *B32.stride()[:3], *C32.stride()[:3], *zs,
             *y.stride(), *_state_strides(initial_state), *_state_strides(final),
@@ -302,7 +335,7 @@ def _launch_forward(u, delta, A, B32, C32, D, z, delta_bias, softplus, seq_idx, 
             SOFTPLUS=softplus, PACKED=seq_idx is not None, HAS_INIT=initial_state is not None,
             STORE_FINAL=with_output and final is not None,
             STORE_CKPT=with_output and ckpt is not None, WITH_OUTPUT=with_output,
-            HAS_CARRY=carry is not None, **tile_constants,
+            HAS_CARRY=carry is not None, RANGED=ranges is not None, **tile_constants,
         )
 
     carry = None
@@ -311,7 +344,7 @@ def _launch_forward(u, delta, A, B32, C32, D, z, delta_bias, softplus, seq_idx, 
         seg_end, seg_decay, carry = (
             torch.empty(bsz, num_segments, n, d, device=u.device, dtype=torch.float32) for _ in range(3)
         )
-        launch(None, seg_end, seg_decay, with_output=False)
+        launch(None, seg_end, seg_decay, with_output=False, ranges=pass_ranges)
         block = 1024
         segment_carry_kernel[(triton.cdiv(n * d, block), bsz)](
             seg_end, seg_decay, carry, num_segments, n * d, BLOCK=block
@@ -331,31 +364,36 @@ def _forward(u, delta, A, B, C, D, z, delta_bias, softplus, cu_seqlens, initial_
     bsz, d, l, n, g, num_seqs = _check_scan_args(u, delta, A, B, C, D, z, delta_bias, cu_seqlens,
                                                  initial_state)
     seq_idx = _sequence_index(cu_seqlens, l) if cu_seqlens is not None else None
+    num_segments, seg_len = _segments(l, cfg)
+    fwd_ranges = bwd_ranges = None
+    if cu_seqlens is not None and num_segments > 1:
+        fwd_ranges, bwd_ranges = _segment_pass_ranges(cu_seqlens, l, num_segments, seg_len)
     y = torch.empty(bsz, d, l, device=u.device, dtype=out_dtype or u.dtype)
     final = _new_states(num_seqs, d, n, u, initial_state) if return_final_state else None
     ckpt = None
     if keep_checkpoints:
         ckpt = torch.empty(bsz, triton.cdiv(l, cfg.chunk), n, d, device=u.device, dtype=torch.float32)
     _launch_forward(_aligned_rows(u), _aligned_rows(delta), A.float(), _fp32_rows(_bc4(B)), _fp32_rows(_bc4(C)),
-                    D, _aligned_rows(z), delta_bias, softplus, seq_idx, initial_state, final, ckpt, y, cfg)
-    return y, final, seq_idx, ckpt
+                    D, _aligned_rows(z), delta_bias, softplus, seq_idx, initial_state, final, ckpt, y, cfg,
+                    fwd_ranges)
+    return y, final, seq_idx, ckpt, bwd_ranges
 
 
 class _SelectiveScanFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, u, delta, A, B, C, D, z, delta_bias, initial_state, softplus, cu_seqlens,
                 return_final_state, out_dtype, cfg):
-        y, final, seq_idx, ckpt = _forward(u, delta, A, B, C, D, z, delta_bias, softplus, cu_seqlens,
-                                           initial_state, return_final_state, out_dtype, cfg, True)
-        ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, seq_idx, ckpt)
+        y, final, seq_idx, ckpt, bwd_ranges = _forward(u, delta, A, B, C, D, z, delta_bias, softplus, cu_seqlens,
+                                                       initial_state, return_final_state, out_dtype, cfg, True)
+        ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, seq_idx, ckpt, bwd_ranges)
         ctx.softplus, ctx.cfg = softplus, cfg
         return (y, final) if return_final_state else y
 
     @staticmethod
     def backward(ctx, dy, dfinal=None):
-        u, delta, A, B, C, D, z, delta_bias, initial_state, seq_idx, ckpt = ctx.saved_tensors
+        u, delta, A, B, C, D, z, delta_bias, initial_state, seq_idx, ckpt, bwd_ranges = ctx.saved_tensors
         grads = _backward(u, delta, A, B, C, D, z, delta_bias, initial_state, seq_idx, ckpt,
-                          dy, dfinal, ctx.softplus, ctx.cfg)
+                          dy, dfinal, ctx.softplus, ctx.cfg, bwd_ranges)
         needed = ctx.needs_input_grad
         return tuple(gr if needed[i] else None for i, gr in enumerate(grads)) + (None,) * 5
 
@@ -413,7 +451,8 @@ class _Grads:
 
 
 def _backward(u, delta, A, B, C, D, z, delta_bias, initial_state, seq_idx, ckpt, dy, dfinal,
-              softplus, cfg: ScanConfig):
+              softplus, cfg: ScanConfig, lam_ranges: Optional[Tensor] = None):
+    """``lam_ranges``: where the adjoint-only pass may stop on packed rows (``_segment_pass_ranges``)."""
     bsz, d, l = u.shape
     if dy is None:
         dy = torch.zeros((), device=u.device, dtype=u.dtype).expand(bsz, d, l)
@@ -443,11 +482,12 @@ def _backward(u, delta, A, B, C, D, z, delta_bias, initial_state, seq_idx, ckpt,
         tiles = cfg.chunk // cfg.bwd_tokens
         scratch = torch.empty(grid[0] * bsz * num_segments * tiles * flags["N_PAD"] * cfg.bwd_block_d, **f32)
 
-        def launch(carry, seg_lam, seg_decay, lam_only):
+        def launch(carry, seg_lam, seg_decay, lam_only, ranges=None):
             scan_bwd_parallel_kernel[grid](
-                *common, scratch, opt(carry), opt(seg_lam), opt(seg_decay), *grads.outputs(),
+                *common, scratch, opt(carry), opt(seg_lam), opt(seg_decay), opt(ranges), *grads.outputs(),
                 d, l, e, n, ckpt.shape[1], seg_len, cfg.chunk, grads.row_len, *strides,
-                HAS_CARRY=carry is not None, LAM_ONLY=lam_only, BLOCK_D=cfg.bwd_block_d, T=cfg.bwd_tokens,
+                HAS_CARRY=carry is not None, LAM_ONLY=lam_only, RANGED=ranges is not None,
+                BLOCK_D=cfg.bwd_block_d, T=cfg.bwd_tokens,
                 num_warps=cfg.bwd_warps, **flags,
             )
 
@@ -457,7 +497,7 @@ def _backward(u, delta, A, B, C, D, z, delta_bias, initial_state, seq_idx, ckpt,
             # then chained from the last segment backwards (the carry kernel runs forwards,
             # so the segment axis is flipped around it).
             seg_lam, seg_decay = (torch.empty(bsz, num_segments, n, d, **f32) for _ in range(2))
-            launch(None, seg_lam, seg_decay, lam_only=True)
+            launch(None, seg_lam, seg_decay, lam_only=True, ranges=lam_ranges)
             carry = torch.empty_like(seg_lam)
             segment_carry_kernel[(triton.cdiv(n * d, 1024), bsz)](
                 seg_lam.flip(1).contiguous(), seg_decay.flip(1).contiguous(), carry, num_segments, n * d, BLOCK=1024
@@ -511,7 +551,7 @@ def selective_scan(
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         return _SelectiveScanFn.apply(u, delta, A, B, C, D, z, delta_bias, initial_state,
                                       delta_softplus, cu_seqlens, return_final_state, out_dtype, cfg)
-    y, final, _, _ = _forward(u, delta, A, B, C, D, z, delta_bias, delta_softplus, cu_seqlens,
+    y, final, _, _, _ = _forward(u, delta, A, B, C, D, z, delta_bias, delta_softplus, cu_seqlens,
                               initial_state, return_final_state, out_dtype, cfg, False)
     return (y, final) if return_final_state else y
 

@@ -68,7 +68,7 @@ def _adjoint(lam_next, dt_next, A2, C, dy_ssm, tv3, seq, is_end, ch3, n3, state_
 @triton.jit
 def scan_bwd_parallel_kernel(
     u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, seq_ptr, init_ptr,
-    dy_ptr, dfinal_ptr, ckpt_ptr, scratch_ptr, carry_ptr, seg_lam_ptr, seg_decay_ptr,
+    dy_ptr, dfinal_ptr, ckpt_ptr, scratch_ptr, carry_ptr, seg_lam_ptr, seg_decay_ptr, range_ptr,
     du_ptr, ddelta_ptr, dz_ptr, dB_part_ptr, dC_part_ptr, dA_part_ptr, dD_part_ptr,
     dbias_part_ptr, dinit_ptr,
     d, l, e, n, num_chunks, seg_len, chunk, row_len,
@@ -83,14 +83,16 @@ def scan_bwd_parallel_kernel(
     sdf_s, sdf_d, sdf_n,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     PACKED: tl.constexpr, HAS_INIT: tl.constexpr, HAS_DFINAL: tl.constexpr,
-    HAS_CARRY: tl.constexpr, LAM_ONLY: tl.constexpr,
+    HAS_CARRY: tl.constexpr, LAM_ONLY: tl.constexpr, RANGED: tl.constexpr,
     BLOCK_D: tl.constexpr, T: tl.constexpr, N_PAD: tl.constexpr,
 ):
     """One (channel block, batch row, segment). Outputs as ``scan_bwd_kernel``'s, except that
     dA_part (b * G, d, n), dD_part and dbias_part (b * G, d) hold one row per segment.
     Scratch: (programs, chunk / T, N_PAD, BLOCK_D) fp32. Segments are whole chunks.
     ``LAM_ONLY``: write seg_lam (lam at the segment's first token, from lam 0 after it) and
-    seg_decay (the product of the decays it crossed), both (b, G, n, d), and nothing else."""
+    seg_decay (the product of the decays it crossed), both (b, G, n, d), and nothing else.
+    RANGED (``LAM_ONLY`` on packed rows): stop at token range[G] instead of the segment's end
+    (see ``selective_scan._segment_pass_ranges``)."""
     pid_blk = tl.program_id(0)
     pid_b = tl.program_id(1)
     pid_seg = tl.program_id(2)
@@ -136,6 +138,8 @@ def scan_bwd_parallel_kernel(
 
     t_begin = pid_seg * seg_len
     t_stop = tl.minimum(t_begin + seg_len, l)
+    if RANGED:
+        t_stop = tl.load(range_ptr + pid_seg)
     state_ptrs = ch64[:, None] + nv[None, :] * d  # (channels, n) offsets into a (.., n, d) tensor
     lam_next = tl.zeros((BLOCK_D, N_PAD), dtype=tl.float32)  # lam at the first token after the tile
     if HAS_CARRY:

@@ -152,7 +152,7 @@ def _advance(
 @triton.jit
 def scan_fwd_kernel(
     u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, seq_ptr, init_ptr,
-    y_ptr, final_ptr, ckpt_ptr, carry_ptr, seg_end_ptr, seg_decay_ptr,
+    y_ptr, final_ptr, ckpt_ptr, carry_ptr, seg_end_ptr, seg_decay_ptr, range_ptr,
     d, l, e, n, seg_len, ckpt_chunk,
     su_b, su_d, su_l,
     sdl_b, sdl_d, sdl_l,
@@ -165,7 +165,7 @@ def scan_fwd_kernel(
     sf_s, sf_d, sf_n,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     PACKED: tl.constexpr, HAS_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
-    STORE_CKPT: tl.constexpr, WITH_OUTPUT: tl.constexpr, HAS_CARRY: tl.constexpr,
+    STORE_CKPT: tl.constexpr, WITH_OUTPUT: tl.constexpr, HAS_CARRY: tl.constexpr, RANGED: tl.constexpr,
     BLOCK_D: tl.constexpr, V: tl.constexpr, N_PAD: tl.constexpr, N_STATIC: tl.constexpr,
 ):
     """One (channel block, batch row, segment).
@@ -173,6 +173,8 @@ def scan_fwd_kernel(
     WITH_OUTPUT: write y (and checkpoints, final states); the segment starts from
     carry[b, G, n, d] when HAS_CARRY, else from 0. Without it (segment pass 1): start from 0
     and write only the segment's end state and total decay, both (b, G, n, d) fp32.
+    RANGED (segment pass on packed rows): walk only tokens [lo, hi) of range[G, 2] (see
+    ``selective_scan._segment_pass_ranges``), from the tile holding lo.
     B and C are fp32 with unit stride along l.
     """
     pid_blk = tl.program_id(0)
@@ -217,6 +219,9 @@ def scan_fwd_kernel(
     restarted = pid_seg < 0  # a scalar False
     t_begin = pid_seg * seg_len
     t_stop = tl.minimum(t_begin + seg_len, l)
+    if RANGED:
+        t_begin = tl.load(range_ptr + 2 * pid_seg) // V * V
+        t_stop = tl.load(range_ptr + 2 * pid_seg + 1)
     full_steps = (t_stop - t_begin) // V
     for k in range(full_steps):
         # Saying that the first token is a multiple of V lets each channel's (channels, V)

@@ -161,7 +161,7 @@ def _tile_step(
 @triton.jit
 def scan_fwd_parallel_kernel(
     u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, seq_ptr, init_ptr,
-    y_ptr, final_ptr, ckpt_ptr, carry_ptr, seg_end_ptr, seg_decay_ptr,
+    y_ptr, final_ptr, ckpt_ptr, carry_ptr, seg_end_ptr, seg_decay_ptr, range_ptr,
     d, l, e, n, seg_len, ckpt_chunk,
     su_b, su_d, su_l,
     sdl_b, sdl_d, sdl_l,
@@ -174,7 +174,7 @@ def scan_fwd_parallel_kernel(
     sf_s, sf_d, sf_n,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     PACKED: tl.constexpr, HAS_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
-    STORE_CKPT: tl.constexpr, WITH_OUTPUT: tl.constexpr, HAS_CARRY: tl.constexpr,
+    STORE_CKPT: tl.constexpr, WITH_OUTPUT: tl.constexpr, HAS_CARRY: tl.constexpr, RANGED: tl.constexpr,
     BLOCK_D: tl.constexpr, T: tl.constexpr, N_PAD: tl.constexpr,
 ):
     """One (channel block, batch row, segment); the arguments are those of
@@ -220,6 +220,9 @@ def scan_fwd_parallel_kernel(
     restarted = pid_seg < 0  # a scalar False
     t_begin = pid_seg * seg_len
     t_stop = tl.minimum(t_begin + seg_len, l)
+    if RANGED:  # segment pass on packed rows: only tokens [lo, hi) matter (see the sequential kernel)
+        t_begin = tl.load(range_ptr + 2 * pid_seg) // T * T
+        t_stop = tl.load(range_ptr + 2 * pid_seg + 1)
     for k in range(tl.cdiv(t_stop - t_begin, T)):
         # A step count, not range(t_begin, t_stop, T): with a runtime start the loop variable
         # loses its alignment, the hint with it, and the loads their 16-byte vectors.
