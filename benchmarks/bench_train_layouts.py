@@ -48,22 +48,22 @@ def packed_row(pack_len: int, seed: int) -> list[int]:
     return row
 
 
-def training_tensors(l: int, device, seed: int) -> dict:
+def training_tensors(l: int, device, seed: int, d: int = D, r: int = R) -> dict:
     """Views laid out as a Mamba-1 layer's forward makes them (see the module docstring)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     bf16 = dict(device=device, dtype=torch.bfloat16)
     f32 = dict(device=device, dtype=torch.float32)
-    xz = torch.randn(1, l, 2 * D, generator=gen, **bf16)  # in_proj output
-    proj = torch.randn(1, l, R + 2 * N, generator=gen, **bf16)  # x_proj output
+    xz = torch.randn(1, l, 2 * d, generator=gen, **bf16)  # in_proj output
+    proj = torch.randn(1, l, r + 2 * N, generator=gen, **bf16)  # x_proj output
     return {
-        "x": xz[..., :D].transpose(1, 2), "z": xz[..., D:].transpose(1, 2),
-        "B": proj[..., R:R + N].transpose(1, 2), "C": proj[..., R + N:].transpose(1, 2),
-        "delta": (torch.randn(1, D, l, generator=gen, **bf16) * 0.5 - 2.0),  # dt_proj's matmul: (b, d, l)
-        "A": -torch.rand(D, N, generator=gen, **f32) * 4.0 - 0.5,
-        "D": torch.randn(D, generator=gen, **f32), "delta_bias": torch.randn(D, generator=gen, **f32) * 0.1,
-        "weight": torch.randn(D, WIDTH, generator=gen, **bf16) * 0.5, "bias": torch.randn(D, generator=gen, **bf16),
-        "dy": torch.randn(1, l, D, generator=gen, **f32).transpose(1, 2),  # out_proj's input gradient
-        "dconv": torch.randn(1, D, l, generator=gen, **bf16),  # the scan's du: (b, d, l) contiguous
+        "x": xz[..., :d].transpose(1, 2), "z": xz[..., d:].transpose(1, 2),
+        "B": proj[..., r:r + N].transpose(1, 2), "C": proj[..., r + N:].transpose(1, 2),
+        "delta": (torch.randn(1, d, l, generator=gen, **bf16) * 0.5 - 2.0),  # dt_proj's matmul: (b, d, l)
+        "A": -torch.rand(d, N, generator=gen, **f32) * 4.0 - 0.5,
+        "D": torch.randn(d, generator=gen, **f32), "delta_bias": torch.randn(d, generator=gen, **f32) * 0.1,
+        "weight": torch.randn(d, WIDTH, generator=gen, **bf16) * 0.5, "bias": torch.randn(d, generator=gen, **bf16),
+        "dy": torch.randn(1, l, d, generator=gen, **f32).transpose(1, 2),  # out_proj's input gradient
+        "dconv": torch.randn(1, d, l, generator=gen, **bf16),  # the scan's du: (b, d, l) contiguous
     }
 
 
@@ -145,9 +145,9 @@ def main(argv=None):
                         help="d = 64, three short sequences, CPU (run with TRITON_INTERPRET=1): checks only")
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/kernels"))
     args = parser.parse_args(argv)
-    global D, R
+    d, r = D, R
     if args.smoke:
-        D, R = 64, 8
+        d, r = 64, 8
         device, lengths = torch.device("cpu"), [5, 17, 32]
     else:
         if not torch.cuda.is_available():
@@ -157,7 +157,7 @@ def main(argv=None):
     offsets = torch.tensor([0] + lengths, device=device).cumsum(0).to(torch.int32)
     rows = []
     for packing, cu in (("packed", offsets), ("unpacked", None)):
-        t = training_tensors(l, device, args.seed)
+        t = training_tensors(l, device, args.seed, d, r)
         want = None
         for layout, tensors, copy_in in (("training", t, False), ("contiguous", contiguous(t), False),
                                          ("training, copied in", t, True)):
@@ -181,7 +181,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_train_layouts.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__, "triton": triton.__version__,
-                   "d": D, "n": N, "lengths": lengths, "rows": rows}, f, indent=1)
+                   "d": d, "n": N, "lengths": lengths, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
