@@ -305,6 +305,12 @@ def test_rejects_bad_arguments():
         selective_scan(*one, cu_seqlens=torch.tensor([0, 8]))
     with pytest.raises(ValueError, match="rise from 0 to l=8"):
         selective_scan(*one, cu_seqlens=torch.tensor([0, 5, 3, 8], dtype=torch.int32))
+    # Offsets checked once are not read again (a device sync) until they change in place.
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    selective_scan(*one, cu_seqlens=cu)
+    cu[1] = 9
+    with pytest.raises(ValueError, match="rise from 0 to l=8"):
+        selective_scan(*one, cu_seqlens=cu)
     with pytest.raises(ValueError, match="initial_state must be"):
         selective_scan(*args, initial_state=torch.zeros(3, 4, 4))
     with pytest.raises(ValueError, match="multiple of B/C groups"):

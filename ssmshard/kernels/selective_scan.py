@@ -34,6 +34,7 @@ too is compute bound.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -193,9 +194,19 @@ def _check_scan_args(u, delta, A, B, C, D, z, delta_bias, cu_seqlens, initial_st
     return bsz, d, l, n, g, num_seqs
 
 
+# The offsets tensor checked last, its version and l: a packed model hands every layer the same
+# cu_seqlens, so one device sync per forward checks them all instead of one per layer. A weak
+# reference, so a new tensor that happens to reuse the memory is never taken for it.
+_last_checked_offsets: tuple = (lambda: None, -1, -1)
+
+
 def _check_offsets(cu_seqlens: Tensor, l: int) -> None:
+    global _last_checked_offsets
     # Reading the offsets costs a device sync; skip it while a CUDA graph is being captured.
     if cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    ref, version, checked_l = _last_checked_offsets
+    if ref() is cu_seqlens and version == cu_seqlens._version and checked_l == l:
         return
     offsets = cu_seqlens.tolist()
     if offsets[0] != 0 or offsets[-1] != l or any(b < a for a, b in zip(offsets, offsets[1:])):
@@ -203,6 +214,7 @@ def _check_offsets(cu_seqlens: Tensor, l: int) -> None:
             f"cu_seqlens must rise from 0 to l={l} without decreasing, got {offsets[:8]}"
             f"{'...' if len(offsets) > 8 else ''} (last {offsets[-1]})"
         )
+    _last_checked_offsets = (weakref.ref(cu_seqlens), cu_seqlens._version, l)
 
 
 def _sequence_index(cu_seqlens: Tensor, l: int) -> Tensor:
