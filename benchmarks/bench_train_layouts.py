@@ -40,12 +40,8 @@ def packed_row(pack_len: int, seed: int) -> list[int]:
     import train_packed
 
     lengths = train_packed.draw_lengths(32768, 64, 4096, seed)
-    row = []
-    for length in lengths:
-        if row and sum(row) + length > pack_len:
-            break
-        row.append(length)
-    return row
+    rows = train_packed._fill_in_order(lengths, lambda row, length: sum(row) + length <= pack_len)
+    return rows[0]
 
 
 def training_tensors(l: int, device, seed: int, d: int = D, r: int = R) -> dict:

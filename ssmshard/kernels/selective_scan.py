@@ -244,7 +244,7 @@ def _segment_pass_ranges(cu_seqlens: Tensor, l: int, num_segments: int, seg_len:
     def start_of_sequence_holding(t):  # the sequence holding token t starts at cu_seqlens[that]
         return cu_seqlens[torch.searchsorted(ends, t, right=True)]
 
-    restart_next = (end < l) & (start_of_sequence_holding(torch.clamp(end, max=l - 1)) == end)
+    restart_next = start_of_sequence_holding(torch.clamp(end, max=l - 1)) == end  # never true at end = l
     fwd_lo = torch.maximum(begin, start_of_sequence_holding(end - 1))
     fwd_skip = (end >= l) | restart_next
     fwd = torch.stack([torch.where(fwd_skip, begin, fwd_lo), torch.where(fwd_skip, begin, end)], dim=1)
@@ -276,18 +276,24 @@ def _row_buffer(leading: tuple, l: int, **like) -> Tensor:
     return torch.empty(*leading, padded, **like)[..., :l]
 
 
+def _has_aligned_rows(t: Tensor) -> bool:
+    return t.stride(-1) == 1 and all(s % _ROW_ALIGN == 0 for s in t.stride()[:-1])
+
+
 def _aligned_rows(t: Optional[Tensor]) -> Optional[Tensor]:
     """``t``, or a copy with aligned rows where its tokens are contiguous but its rows are not
     aligned (one pass over t: far cheaper than the scalar accesses it saves). Channel-contiguous
     views (Mamba's x and z) are left alone: their tokens are not the vector axis."""
-    if t is None or t.stride(-1) != 1 or all(s % _ROW_ALIGN == 0 for s in t.stride()[:-1]):
+    if t is None or t.stride(-1) != 1 or _has_aligned_rows(t):
         return t
     return _row_buffer(t.shape[:-1], t.shape[-1], device=t.device, dtype=t.dtype).copy_(t)
 
 
 def _fp32_rows(t: Tensor) -> Tensor:
     # The kernels read B and C as fp32 with unit stride along l and aligned rows (b * g * n * l
-    # values: cheap).
+    # values: cheap to copy where they are not so already).
+    if t.dtype == torch.float32 and _has_aligned_rows(t):
+        return t
     return _row_buffer(t.shape[:-1], t.shape[-1], device=t.device, dtype=torch.float32).copy_(t)
 
 
@@ -468,6 +474,8 @@ def _backward(u, delta, A, B, C, D, z, delta_bias, initial_state, seq_idx, ckpt,
     bsz, d, l = u.shape
     if dy is None:
         dy = torch.zeros((), device=u.device, dtype=u.dtype).expand(bsz, d, l)
+    # Copied again rather than kept from the forward: saving the forward's copies would hold
+    # three more (b, d, l) tensors per layer until the backward.
     u, delta, z, dy = (_aligned_rows(t) for t in (u, delta, z, dy))
     B32, C32 = _fp32_rows(_bc4(B)), _fp32_rows(_bc4(C))
     A32 = A.float()
