@@ -297,24 +297,24 @@ def test_no_grad_path_and_default_config(fresh_seed):
 
 def test_rejects_bad_arguments():
     inputs, _ = make_scan_inputs(2, 4, 8, 4)
-    args = [inputs[k] for k in NAMES[:8]]
+    args = [inputs[k].to(DEVICE) if inputs[k] is not None else None for k in NAMES[:8]]
     with pytest.raises(ValueError, match="b must be 1"):
-        selective_scan(*args, cu_seqlens=torch.tensor([0, 8], dtype=torch.int32))
+        selective_scan(*args, cu_seqlens=torch.tensor([0, 8], dtype=torch.int32, device=DEVICE))
     one = [a[:1] if a is not None and a.dim() >= 3 else a for a in args]
     with pytest.raises(ValueError, match="int32"):
-        selective_scan(*one, cu_seqlens=torch.tensor([0, 8]))
+        selective_scan(*one, cu_seqlens=torch.tensor([0, 8], device=DEVICE))
     with pytest.raises(ValueError, match="rise from 0 to l=8"):
-        selective_scan(*one, cu_seqlens=torch.tensor([0, 5, 3, 8], dtype=torch.int32))
+        selective_scan(*one, cu_seqlens=torch.tensor([0, 5, 3, 8], dtype=torch.int32, device=DEVICE))
     # Offsets checked once are not read again (a device sync) until they change in place.
-    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32, device=DEVICE)
     selective_scan(*one, cu_seqlens=cu)
     cu[1] = 9
     with pytest.raises(ValueError, match="rise from 0 to l=8"):
         selective_scan(*one, cu_seqlens=cu)
     with pytest.raises(ValueError, match="initial_state must be"):
-        selective_scan(*args, initial_state=torch.zeros(3, 4, 4))
+        selective_scan(*args, initial_state=torch.zeros(3, 4, 4, device=DEVICE))
     with pytest.raises(ValueError, match="multiple of B/C groups"):
-        selective_scan(*args[:3], torch.zeros(2, 3, 4, 8), torch.zeros(2, 3, 4, 8))
+        selective_scan(*args[:3], torch.zeros(2, 3, 4, 8, device=DEVICE), torch.zeros(2, 3, 4, 8, device=DEVICE))
     with pytest.raises(ValueError, match="fwd_variant must be one of"):
         ScanConfig(fwd_variant="fast")
     with pytest.raises(ValueError, match="par_tokens must be a power of two"):

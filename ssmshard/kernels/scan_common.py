@@ -70,6 +70,22 @@ def set_row(tile, rows, i, values):
 
 
 @triton.jit
+def token_mask(t, l, WHOLE: tl.constexpr):
+    """t < l, or, in a tile the caller knows lies wholly before l, a constant True.
+
+    Why the constant: Triton vectorises a masked access only when it can prove the mask
+    constant over each vector, and for ``t < l`` it can only when l is a multiple of 16, which
+    packed rows, padded batches and single sequences rarely are. With the comparison, every
+    tile of such a row moves its tokens one scalar at a time (offline sm_90 PTX:
+    ``benchmarks/compile_scan_alignment.py``), so callers scan a row's whole tiles with
+    WHOLE = True and only its last, partial tile with the comparison.
+    """
+    if WHOLE:
+        return tl.full(t.shape, 1, tl.int1)
+    return t < l
+
+
+@triton.jit
 def boundaries(seq_ptr, t, l, PACKED: tl.constexpr):
     """Which tokens t start / end a sequence, and the sequence each belongs to.
 

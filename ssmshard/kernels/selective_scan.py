@@ -386,7 +386,7 @@ def _forward(u, delta, A, B, C, D, z, delta_bias, softplus, cu_seqlens, initial_
     fwd_ranges = bwd_ranges = None
     if cu_seqlens is not None and num_segments > 1:
         fwd_ranges, bwd_ranges = _segment_pass_ranges(cu_seqlens, l, num_segments, seg_len)
-    y = torch.empty(bsz, d, l, device=u.device, dtype=out_dtype or u.dtype)
+    y = _row_buffer((bsz, d), l, device=u.device, dtype=out_dtype or u.dtype)  # aligned rows: vector stores
     final = _new_states(num_seqs, d, n, u, initial_state) if return_final_state else None
     ckpt = None
     if keep_checkpoints:

@@ -39,7 +39,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ssmshard.kernels.scan_common import LN2, LOG2E, boundaries, discretise, linear_recurrence_combine
+from ssmshard.kernels.scan_common import LN2, LOG2E, boundaries, discretise, linear_recurrence_combine, token_mask
 from ssmshard.kernels.selective_scan_fwd_parallel import load_bc, load_tokens, tile_states
 
 
@@ -158,85 +158,99 @@ def scan_bwd_parallel_kernel(
     for kk in range(tl.cdiv(t_stop - t_begin, chunk)):
         k = k_first + tl.cdiv(t_stop - t_begin, chunk) - 1 - kk
         c0 = k * chunk
+        whole = tl.maximum(tl.minimum(tiles, (l - c0) // T), 0)  # the chunk's tiles wholly before l
         if not LAM_ONLY:
             # Pass A: the state entering each tile of the chunk, from the chunk's checkpoint.
             h = tl.load(ckpt_ptr + (b64 * num_chunks + k) * n * d + state_ptrs, mask=state_mask, other=0.0)
-            for j in range(tiles):
-                tl.store(scratch + j * N_PAD * BLOCK_D, h)
-                if j < tiles - 1:
-                    t = tl.multiple_of(c0 + j * T, T) + tv
-                    t3 = t[None, :, None]
-                    tile_mask = ch_mask[:, None, None] & (t3 < l)
-                    bc_mask = state_mask[:, None, :] & (t3 < l)
-                    dt = tl.where(tile_mask, discretise(load_tokens(delta_rows, sdl_l, t3, tile_mask), bias3, SOFTPLUS), 0.0)
-                    dtu = dt * load_tokens(u_rows, su_l, t3, tile_mask)
-                    seq, is_start, is_end = boundaries(seq_ptr, t, l, PACKED)
-                    hs, x = tile_states(h, dt, dtu, A2, load_bc(B_row, sB_n, n3, t3, ch3, bc_mask).to(tl.float32), tv3,
-                                    seq, is_start, ch3, n3, state_mask, init_ptr, si_s, si_d, si_n, PACKED, HAS_INIT)
-                    h = tl.sum(tl.where(tv3 == T - 1, hs, -0.0), axis=1)
+            for phase in tl.static_range(2):  # whole tiles (see token_mask), then the rest
+                if phase == 0:
+                    j_first, count = 0, whole
+                else:
+                    j_first, count = whole, tiles - whole
+                for jj in range(count):
+                    j = j_first + jj
+                    tl.store(scratch + j * N_PAD * BLOCK_D, h)
+                    if j < tiles - 1:
+                        t = tl.multiple_of(c0 + j * T, T) + tv
+                        t3 = t[None, :, None]
+                        in_row = token_mask(t3, l, phase == 0)
+                        tile_mask = ch_mask[:, None, None] & in_row
+                        bc_mask = state_mask[:, None, :] & in_row
+                        dt = tl.where(tile_mask, discretise(load_tokens(delta_rows, sdl_l, t3, tile_mask), bias3, SOFTPLUS), 0.0)
+                        dtu = dt * load_tokens(u_rows, su_l, t3, tile_mask)
+                        seq, is_start, is_end = boundaries(seq_ptr, t, l, PACKED)
+                        hs, x = tile_states(h, dt, dtu, A2, load_bc(B_row, sB_n, n3, t3, ch3, bc_mask).to(tl.float32), tv3,
+                                            seq, is_start, ch3, n3, state_mask, init_ptr, si_s, si_d, si_n, PACKED, HAS_INIT)
+                        h = tl.sum(tl.where(tv3 == T - 1, hs, -0.0), axis=1)
 
-        # Pass B: the tiles in reverse.
-        for jj in range(tiles):
-            j = tiles - 1 - jj
-            t = tl.multiple_of(c0 + j * T, T) + tv
-            t3 = t[None, :, None]
-            tile_mask = ch_mask[:, None, None] & (t3 < l)
-            next_mask = ch_mask[:, None, None] & (t3 + 1 < l)
-            bc_mask = state_mask[:, None, :] & (t3 < l)
-            delta = load_tokens(delta_rows, sdl_l, t3, tile_mask)
-            # Tokens past l are identity steps (dt = 0: decay 1, input 0).
-            dt = tl.where(tile_mask, discretise(delta, bias3, SOFTPLUS), 0.0)
-            dt_next = tl.where(next_mask, discretise(load_tokens(delta_rows, sdl_l, t3 + 1, next_mask), bias3, SOFTPLUS), 0.0)
-            dy = load_tokens(dy_rows, sdy_l, t3, tile_mask)
-            dy_ssm = dy
-            if HAS_Z:
-                z = load_tokens(z_rows, sz_l, t3, tile_mask)
-                z_sig = tl.sigmoid(z)
-                dy_ssm = dy * (z * z_sig)  # gradient reaching the ungated output
-            seq, is_start, is_end = boundaries(seq_ptr, t, l, PACKED)
-            C = load_bc(C_row, sC_n, n3, t3, ch3, bc_mask).to(tl.float32)
-            lam, lam_next = _adjoint(lam_next, dt_next, A2, C, dy_ssm, tv3, seq, is_end, ch3, n3, state_mask,
-                                     dfinal_ptr, sdf_s, sdf_d, sdf_n, PACKED, HAS_DFINAL, T)
-            if LAM_ONLY:
-                dt_next_sum += tl.sum(tl.sum(dt_next, axis=2), axis=1, keep_dims=True)
-                if PACKED:
-                    cut = cut | (tl.max(is_end.to(tl.int32), axis=0) > 0)
+        # Pass B: the tiles in reverse, the partial ones (past l's last whole tile) first.
+        for phase in tl.static_range(2):
+            if phase == 0:
+                j_last, count = tiles - 1, tiles - whole
             else:
-                u = load_tokens(u_rows, su_l, t3, tile_mask)
-                dtu = dt * u
-                B = load_bc(B_row, sB_n, n3, t3, ch3, bc_mask).to(tl.float32)
-                h_in = tl.load(scratch + j * N_PAD * BLOCK_D)
-                hs, x = tile_states(h_in, dt, dtu, A2, B, tv3, seq, is_start, ch3, n3, state_mask,
-                                init_ptr, si_s, si_d, si_n, PACKED, HAS_INIT)
-                lam_ah = lam * (hs - x)  # lam_t * a_t * h_{t-1}
-                # Sums over channels (lanes): per (token, state) partials of this block.
-                part = part_row + nv[None, :] * row_len + t[:, None]  # (T, N_PAD)
-                part_mask = n_mask[None, :] & (t[:, None] < l)
-                tl.store(dC_part_ptr + part, tl.sum(dy_ssm * hs, axis=0), mask=part_mask)
-                tl.store(dB_part_ptr + part, tl.sum(lam * dtu, axis=0), mask=part_mask)
-                dA_acc += tl.sum(dt * lam_ah, axis=1)
-                lam_B = tl.sum(lam * B, axis=2, keep_dims=True)  # (BLOCK_D, T, 1)
-                ddt = lam_B * u + tl.sum(A2 * lam_ah, axis=2, keep_dims=True) * LN2  # A2 * ln 2 = A
-                du = lam_B * dt
-                if HAS_D:
-                    du += dy_ssm * D3
-                    dD_acc += tl.sum(dy_ssm * u, axis=1)
-                if SOFTPLUS:
-                    ddt = ddt * tl.sigmoid(delta + bias3)
-                ddt = tl.where(tile_mask, ddt, 0.0)
-                dbias_acc += tl.sum(ddt, axis=1)
-                out = out_rows + t3
-                tl.store(du_ptr + out, du, mask=tile_mask)
-                tl.store(ddelta_ptr + out, ddt, mask=tile_mask)
+                j_last, count = whole - 1, whole
+            for jj in range(count):
+                j = j_last - jj
+                t = tl.multiple_of(c0 + j * T, T) + tv
+                t3 = t[None, :, None]
+                in_row = token_mask(t3, l, phase == 1)
+                tile_mask = ch_mask[:, None, None] & in_row
+                next_mask = ch_mask[:, None, None] & (t3 + 1 < l)
+                bc_mask = state_mask[:, None, :] & in_row
+                delta = load_tokens(delta_rows, sdl_l, t3, tile_mask)
+                # Tokens past l are identity steps (dt = 0: decay 1, input 0).
+                dt = tl.where(tile_mask, discretise(delta, bias3, SOFTPLUS), 0.0)
+                dt_next = tl.where(next_mask, discretise(load_tokens(delta_rows, sdl_l, t3 + 1, next_mask), bias3, SOFTPLUS), 0.0)
+                dy = load_tokens(dy_rows, sdy_l, t3, tile_mask)
+                dy_ssm = dy
                 if HAS_Z:
-                    y = tl.sum(hs * C, axis=2, keep_dims=True) + D3 * u
-                    tl.store(dz_ptr + out, dy * y * z_sig * (1.0 + z * (1.0 - z_sig)), mask=tile_mask)
-                if PACKED and HAS_INIT:
-                    if tl.max(is_start.to(tl.int32), axis=0) > 0:
-                        # d(initial state) = a_s * lam_s at the sequence's first token s.
-                        dinit = tl.exp2(dt * A2) * lam
-                        tl.store(dinit_ptr + seq.to(tl.int64)[None, :, None] * (d * n) + ch3 * n + n3, dinit,
-                                 mask=state_mask[:, None, :] & is_start[None, :, None])
+                    z = load_tokens(z_rows, sz_l, t3, tile_mask)
+                    z_sig = tl.sigmoid(z)
+                    dy_ssm = dy * (z * z_sig)  # gradient reaching the ungated output
+                seq, is_start, is_end = boundaries(seq_ptr, t, l, PACKED)
+                C = load_bc(C_row, sC_n, n3, t3, ch3, bc_mask).to(tl.float32)
+                lam, lam_next = _adjoint(lam_next, dt_next, A2, C, dy_ssm, tv3, seq, is_end, ch3, n3, state_mask,
+                                         dfinal_ptr, sdf_s, sdf_d, sdf_n, PACKED, HAS_DFINAL, T)
+                if LAM_ONLY:
+                    dt_next_sum += tl.sum(tl.sum(dt_next, axis=2), axis=1, keep_dims=True)
+                    if PACKED:
+                        cut = cut | (tl.max(is_end.to(tl.int32), axis=0) > 0)
+                else:
+                    u = load_tokens(u_rows, su_l, t3, tile_mask)
+                    dtu = dt * u
+                    B = load_bc(B_row, sB_n, n3, t3, ch3, bc_mask).to(tl.float32)
+                    h_in = tl.load(scratch + j * N_PAD * BLOCK_D)
+                    hs, x = tile_states(h_in, dt, dtu, A2, B, tv3, seq, is_start, ch3, n3, state_mask,
+                                        init_ptr, si_s, si_d, si_n, PACKED, HAS_INIT)
+                    lam_ah = lam * (hs - x)  # lam_t * a_t * h_{t-1}
+                    # Sums over channels (lanes): per (token, state) partials of this block.
+                    part = part_row + nv[None, :] * row_len + t[:, None]  # (T, N_PAD)
+                    part_mask = n_mask[None, :] & token_mask(t[:, None], l, phase == 1)
+                    tl.store(dC_part_ptr + part, tl.sum(dy_ssm * hs, axis=0), mask=part_mask)
+                    tl.store(dB_part_ptr + part, tl.sum(lam * dtu, axis=0), mask=part_mask)
+                    dA_acc += tl.sum(dt * lam_ah, axis=1)
+                    lam_B = tl.sum(lam * B, axis=2, keep_dims=True)  # (BLOCK_D, T, 1)
+                    ddt = lam_B * u + tl.sum(A2 * lam_ah, axis=2, keep_dims=True) * LN2  # A2 * ln 2 = A
+                    du = lam_B * dt
+                    if HAS_D:
+                        du += dy_ssm * D3
+                        dD_acc += tl.sum(dy_ssm * u, axis=1)
+                    if SOFTPLUS:
+                        ddt = ddt * tl.sigmoid(delta + bias3)
+                    ddt = tl.where(tile_mask, ddt, 0.0)
+                    dbias_acc += tl.sum(ddt, axis=1)
+                    out = out_rows + t3
+                    tl.store(du_ptr + out, du, mask=tile_mask)
+                    tl.store(ddelta_ptr + out, ddt, mask=tile_mask)
+                    if HAS_Z:
+                        y = tl.sum(hs * C, axis=2, keep_dims=True) + D3 * u
+                        tl.store(dz_ptr + out, dy * y * z_sig * (1.0 + z * (1.0 - z_sig)), mask=tile_mask)
+                    if PACKED and HAS_INIT:
+                        if tl.max(is_start.to(tl.int32), axis=0) > 0:
+                            # d(initial state) = a_s * lam_s at the sequence's first token s.
+                            dinit = tl.exp2(dt * A2) * lam
+                            tl.store(dinit_ptr + seq.to(tl.int64)[None, :, None] * (d * n) + ch3 * n + n3, dinit,
+                                     mask=state_mask[:, None, :] & is_start[None, :, None])
 
     seg_state = seg_row * n * d + state_ptrs
     if LAM_ONLY:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ssmshard.kernels.scan_common import LOG2E, boundaries, discretise, linear_recurrence_combine
+from ssmshard.kernels.scan_common import LOG2E, boundaries, discretise, linear_recurrence_combine, token_mask
 
 
 @triton.jit
@@ -93,11 +93,12 @@ def _tile_step(
     init_ptr, si_s, si_d, si_n, final_ptr, sf_s, sf_d, sf_n, ckpt_ptr, ckpt_chunk,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, SOFTPLUS: tl.constexpr, PACKED: tl.constexpr,
     HAS_INIT: tl.constexpr, STORE_FINAL: tl.constexpr, STORE_CKPT: tl.constexpr,
-    WITH_OUTPUT: tl.constexpr, T: tl.constexpr,
+    WITH_OUTPUT: tl.constexpr, T: tl.constexpr, WHOLE: tl.constexpr,
 ):
-    """Tokens t0 .. t0 + T - 1 for the program's channels and all state indices."""
+    """Tokens t0 .. t0 + T - 1 for the program's channels and all state indices (WHOLE: all
+    of them before l, see ``token_mask``)."""
     t = t0 + tv
-    t_mask = t < l
+    t_mask = token_mask(t, l, WHOLE)
     t3 = t[None, :, None]  # (1, T, 1)
     tv3 = tv[None, :, None]
     tile_mask = ch_mask[:, None, None] & t_mask[None, :, None]  # (BLOCK_D, T, 1)
@@ -223,17 +224,24 @@ def scan_fwd_parallel_kernel(
     if RANGED:  # segment pass on packed rows: only tokens [lo, hi) matter (see the sequential kernel)
         t_begin = tl.load(range_ptr + 2 * pid_seg) // T * T
         t_stop = tl.load(range_ptr + 2 * pid_seg + 1)
-    for k in range(tl.cdiv(t_stop - t_begin, T)):
-        # A step count, not range(t_begin, t_stop, T): with a runtime start the loop variable
-        # loses its alignment, the hint with it, and the loads their 16-byte vectors.
-        state, dt_sum, restarted = _tile_step(
-            tl.multiple_of(t_begin + k * T, T), state, dt_sum, restarted, A2[:, None, :], bias[:, None, None], ch, ch64, ch_mask,
-            nv, n_mask, tv, b64,
-            u_rows, su_l, delta_rows, sdl_l, z_rows, sz_l, y_rows, sy_l, B_row, C_row, sB_n, sC_n,
-            D_ptr, seq_ptr, l, n, d,
-            init_ptr, si_s, si_d, si_n, final_ptr, sf_s, sf_d, sf_n, ckpt_ptr, ckpt_chunk,
-            HAS_D, HAS_Z, SOFTPLUS, PACKED, HAS_INIT, STORE_FINAL, STORE_CKPT, WITH_OUTPUT, T,
-        )
+    num_tiles = tl.cdiv(t_stop - t_begin, T)
+    num_whole = tl.minimum(num_tiles, (l - t_begin) // T)  # tiles wholly before l
+    for phase in tl.static_range(2):  # the whole tiles, then the row's partial last tile (if any)
+        if phase == 0:
+            first, count = 0, num_whole
+        else:
+            first, count = num_whole, num_tiles - num_whole
+        for k in range(count):
+            # A step count, not range(t_begin, t_stop, T): with a runtime start the loop variable
+            # loses its alignment, the hint with it, and the loads their 16-byte vectors.
+            state, dt_sum, restarted = _tile_step(
+                tl.multiple_of(t_begin + (first + k) * T, T), state, dt_sum, restarted, A2[:, None, :], bias[:, None, None],
+                ch, ch64, ch_mask, nv, n_mask, tv, b64,
+                u_rows, su_l, delta_rows, sdl_l, z_rows, sz_l, y_rows, sy_l, B_row, C_row, sB_n, sC_n,
+                D_ptr, seq_ptr, l, n, d,
+                init_ptr, si_s, si_d, si_n, final_ptr, sf_s, sf_d, sf_n, ckpt_ptr, ckpt_chunk,
+                HAS_D, HAS_Z, SOFTPLUS, PACKED, HAS_INIT, STORE_FINAL, STORE_CKPT, WITH_OUTPUT, T, phase == 0,
+            )
     if STORE_FINAL and not PACKED:
         if t_stop == l:
             final_rows = final_ptr + b64 * sf_s + ch64 * sf_d
