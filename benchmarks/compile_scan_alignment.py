@@ -48,7 +48,9 @@ CASES = {"l % 16 == 0": set(),
          "l % 16 != 0, rows not aligned": {"l"} | ROW_STRIDES}
 
 
-def access_counts(fn, constants: dict, misaligned: set, arch: int) -> dict:
+def compile_kernel(fn, constants: dict, misaligned: set, arch: int):
+    """``fn`` compiled for sm_``arch`` with the benchmark's dtypes; the integer arguments named in
+    ``misaligned`` are not declared 16-divisible (all others are, as Triton finds at launch)."""
     constants = dict(HAS_D=True, HAS_Z=True, HAS_BIAS=True, SOFTPLUS=True, PACKED=False, HAS_INIT=False,
                      RANGED=False, T=4, N_PAD=16, **constants)
     signature, attrs = {}, {}
@@ -64,9 +66,12 @@ def access_counts(fn, constants: dict, misaligned: set, arch: int) -> dict:
             signature[name] = "i32"
             if name not in misaligned:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    kernel = triton.compile(ASTSource(fn, signature, constexprs=constants, attrs=attrs),
-                            target=GPUTarget("cuda", arch, 32), options={"num_warps": 1})
-    ptx = kernel.asm["ptx"]
+    return triton.compile(ASTSource(fn, signature, constexprs=constants, attrs=attrs),
+                          target=GPUTarget("cuda", arch, 32), options={"num_warps": 1})
+
+
+def access_counts(fn, constants: dict, misaligned: set, arch: int) -> dict:
+    ptx = compile_kernel(fn, constants, misaligned, arch).asm["ptx"]
     vector, scalar = r"(\.\w+)*\.v[24]", r"(?!(\.\w+)*\.v[24])(\.\w+)*\s"
     return {"vector loads": len(re.findall(r"ld\.global" + vector, ptx)),
             "scalar loads": len(re.findall(r"ld\.global" + scalar, ptx)),
