@@ -566,8 +566,8 @@ def selective_scan(
     torch.float32 for what ``torch.ops.ssmshard.selective_scan`` returns), and with
     ``return_final_state`` also the final states (b or S, d, n) fp32.
     Differentiable in every tensor argument; the backward is a Triton kernel too. Where l is
-    not a multiple of 16 the gradients of u, delta and z are views into rows padded to one (the
-    kernels' aligned rows); y is contiguous.
+    not a multiple of 16, y and the gradients of u, delta and z are views into rows padded to
+    one (the kernels' aligned rows), not contiguous tensors.
     """
     cfg = config or default_config(u.shape[0], u.shape[1], u.shape[-1], u.device)
     tensors = (u, delta, A, B, C, D, z, delta_bias, initial_state)

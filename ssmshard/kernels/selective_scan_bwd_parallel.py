@@ -158,7 +158,7 @@ def scan_bwd_parallel_kernel(
     for kk in range(tl.cdiv(t_stop - t_begin, chunk)):
         k = k_first + tl.cdiv(t_stop - t_begin, chunk) - 1 - kk
         c0 = k * chunk
-        whole = tl.maximum(tl.minimum(tiles, (l - c0) // T), 0)  # the chunk's tiles wholly before l
+        whole = tl.minimum(tiles, (l - c0) // T)  # the chunk's tiles wholly before l (c0 < l)
         if not LAM_ONLY:
             # Pass A: the state entering each tile of the chunk, from the chunk's checkpoint.
             h = tl.load(ckpt_ptr + (b64 * num_chunks + k) * n * d + state_ptrs, mask=state_mask, other=0.0)
