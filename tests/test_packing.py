@@ -199,12 +199,27 @@ def test_packed_ops_pass_opcheck_and_refuse_bad_offsets():
 # --- programs: packed forward and gradients == each sequence on its own ------------------
 
 
+# Zamba2 clamps dt from below at time_step_min (1e-3 by default). With the random test weights,
+# some dt lands within float32 noise of that kink, where the clamp's derivative jumps from 1 to 0:
+# packed and per-sequence runs, equal to 1e-6 everywhere else, then differ by O(1) in that
+# element's dt gradient (a CI failure: dt 1.0000002e-3 on one path and 0.9999996e-3 on the
+# other put a dt_bias gradient off by 0.17). A floor of 1e-9 lies out of reach: dt is
+# softplus(projection + bias) with bias >= softplus^-1(1e-3), so it would take a projection of
+# about -14 to get there.
+_SMOOTH_DT = {"zamba2": {"time_step_min": 1e-9}}
+
+
+def packing_model(family):
+    """The test model of ``family``, with no dt clamp within reach for Zamba2 (see above)."""
+    return small_model(family, **_SMOOTH_DT.get(family, {}))
+
+
 _PROGRAMS = {}
 
 
 def programs(family):
     if family not in _PROGRAMS:
-        model = small_model(family)
+        model = packing_model(family)
         _PROGRAMS[family] = (ssmshard.capture(model), ssmshard.capture(model, packed=True))
     return _PROGRAMS[family]
 
@@ -217,6 +232,17 @@ def _with_fresh_leaves(program):
 
 PACKED_FAMILIES = ["mamba", "mamba2", "zamba2", "llama"]
 
+# Gradient bounds (whole vector, per tensor), float32. Largest errors measured over random seeds
+# on the reference ops (this session's sweeps, 200-500 seeds each): Mamba 1.1e-6 / 4.4e-5,
+# Mamba-2 4.2e-6 / 5.4e-6, Llama 6.6e-7 / 1.2e-6, all within (TOL, 1e-4). Zamba2 reached
+# 3.6e-5 / 1.1e-4 (8 of 300 seeds over 1e-5): the model amplifies float32 rounding in the
+# backward pass (growing through its shared attention blocks) five to nine times more than the
+# Mamba-2 model. The unpacked program against itself (each sequence at its own length vs the
+# same sequences in padded rows) already differs by up to 9.2e-6 on the vector (Mamba-2:
+# 1.7e-6); the packed program's error is at most 11x that (Mamba-2: 8.7x). A state leaking
+# across a boundary moves gradients by O(1).
+_GRAD_TOLS = {"zamba2": (1e-4, 5e-4)}
+
 
 @pytest.mark.parametrize("family", PACKED_FAMILIES)
 def test_packed_program_equals_each_sequence_alone(family, fresh_seed):
@@ -224,20 +250,20 @@ def test_packed_program_equals_each_sequence_alone(family, fresh_seed):
     the reference ops.
 
     Gradients: max |diff| / max |reference| over the whole gradient vector (all parameters) at
-    1e-5, and per parameter tensor at 1e-4. Per tensor, gradients that are long cancelling sums
-    over tokens (D, A_log) move by ~1e-5 of their own size when the packed run groups tokens
-    into other chunks (float32 summation order, measured up to 1.1e-5 on Zamba2's D); a leak
-    across a boundary moves gradients by O(1). The per-tensor bound keeps a small-gradient
-    parameter from hiding behind the large ones.
+    1e-5, and per parameter tensor at 1e-4 (Zamba2: see ``_GRAD_TOLS``). Per tensor, gradients
+    that are long cancelling sums over tokens (D, A_log) move by ~1e-5 of their own size when the
+    packed run groups tokens into other chunks (float32 summation order); a leak across a
+    boundary moves gradients by O(1). The per-tensor bound keeps a small-gradient parameter from
+    hiding behind the large ones.
     """
-    _check_packed_equals_each_sequence_alone(family, small_model(family), *programs(family), fresh_seed)
+    _check_packed_equals_each_sequence_alone(family, packing_model(family), *programs(family), fresh_seed)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on a GPU")
 @pytest.mark.parametrize("family", PACKED_FAMILIES)
 def test_packed_program_on_the_kernels_equals_each_sequence_alone(family, fresh_seed):
     """The same check with the programs on the GPU and the Triton kernels swapped in (fp32)."""
-    model = copy.deepcopy(small_model(family)).cuda()
+    model = copy.deepcopy(packing_model(family)).cuda()
     swap = [("swap_kernels", {"kernels": "triton"})]
     unpacked, packed = (run_pipeline(ssmshard.capture(model, packed=p), swap) for p in (False, True))
     if family != "llama":
@@ -249,9 +275,12 @@ def test_packed_program_on_the_kernels_equals_each_sequence_alone(family, fresh_
 def _check_packed_equals_each_sequence_alone(family, model, unpacked, packed, fresh_seed, device="cpu"):
     chunk = getattr(model.config, "chunk_size", 16)  # Mamba-2 / Zamba2 chunk edge; 16 elsewhere
     lengths = random_lengths(random.Random(fresh_seed), chunk)
-    sequences = [torch.randint(0, model.config.vocab_size, (n,)).to(device) for n in lengths]
+    # A generator of our own: the global RNG's state here depends on which caches earlier tests
+    # filled (capturing draws from it), and then the printed seed would not replay the failure.
+    gen = torch.Generator().manual_seed(fresh_seed)
+    sequences = [torch.randint(0, model.config.vocab_size, (n,), generator=gen).to(device) for n in lengths]
     batch = pack(sequences)
-    loss_weights = torch.randn(1, batch.input_ids.shape[1], model.config.vocab_size).to(device)
+    loss_weights = torch.randn(1, batch.input_ids.shape[1], model.config.vocab_size, generator=gen).to(device)
 
     packed_weights = _with_fresh_leaves(packed)
     logits = packed(batch)
@@ -263,7 +292,7 @@ def _check_packed_equals_each_sequence_alone(family, model, unpacked, packed, fr
     # per-sequence losses.
     unpacked_weights = _with_fresh_leaves(unpacked)
     longest = max(lengths)
-    rows = torch.randint(0, model.config.vocab_size, (len(lengths), longest)).to(device)  # (S, L_max)
+    rows = torch.randint(0, model.config.vocab_size, (len(lengths), longest), generator=gen).to(device)  # (S, L_max)
     row_weights = torch.zeros(len(lengths), longest, model.config.vocab_size, device=device)
     for s, (ids, w) in enumerate(zip(sequences, batch.unpack(loss_weights))):
         rows[s, :len(ids)] = ids
@@ -278,10 +307,12 @@ def _check_packed_equals_each_sequence_alone(family, model, unpacked, packed, fr
     assert params == [k for k, spec in packed.param_specs.items() if spec.kind == "parameter"]
     got = torch.cat([packed_weights[k].grad.flatten() for k in params])
     want = torch.cat([unpacked_weights[k].grad.flatten() for k in params])
-    assert rel_err(got, want) < TOL, f"{family} gradients {lengths} (seed {fresh_seed})"
+    vector_tol, tensor_tol = _GRAD_TOLS.get(family, (TOL, 1e-4))
+    error = rel_err(got, want)
+    assert error < vector_tol, f"{family} gradients {error:.2e} {lengths} (seed {fresh_seed})"
     errors = {k: rel_err(packed_weights[k].grad, unpacked_weights[k].grad) for k in params}
     worst = max(errors, key=errors.get)
-    assert errors[worst] < 1e-4, f"{family} grad {worst}: {errors[worst]:.2e} {lengths} (seed {fresh_seed})"
+    assert errors[worst] < tensor_tol, f"{family} grad {worst}: {errors[worst]:.2e} {lengths} (seed {fresh_seed})"
 
 
 def test_single_token_batch_is_served_by_the_same_graph():
