@@ -3,7 +3,7 @@
 # the tests alone spend about 7 minutes compiling kernels (at ff83373, 22 of them finished in
 # 280 s), so they get a call of their own:
 #
-#   device run: bash benchmarks/run_h200_checks.sh tests   # GPU tests: scan, packing, kernel swap
+#   device run: bash benchmarks/run_h200_checks.sh tests   # GPU tests: the three kernels, packing, kernel swap
 #   device run: bash benchmarks/run_h200_checks.sh bench   # bench_train_layouts.py, Mamba-1 training
 #
 # Logs and JSON under $OUT (at most 8 files come back: keep it to these).
@@ -13,12 +13,12 @@ mkdir -p "$OUT"
 quiet() { grep -v -i "warn\|falling back"; }
 if [ "${1:-tests}" = tests ]; then
   # One pytest process per file: compiling is single-threaded per process and dominates a cold
-  # run, so three processes on the 16 host cores finish far sooner than one.
-  for f in kernel_selective_scan packing swap_kernels; do
+  # run, so five processes on the 16 host cores finish far sooner than one.
+  for f in kernel_selective_scan kernel_ssd_scan kernel_causal_conv1d packing swap_kernels; do
     timeout 540 python3 -m pytest "tests/test_$f.py" -q -p no:logging -p no:cacheprovider > "$OUT/tests_$f.log" 2>&1 &
   done
   wait
-  for f in kernel_selective_scan packing swap_kernels; do echo "$f: $(tail -1 "$OUT/tests_$f.log")"; done
+  for f in kernel_selective_scan kernel_ssd_scan kernel_causal_conv1d packing swap_kernels; do echo "$f: $(tail -1 "$OUT/tests_$f.log")"; done
 else
   timeout 80 python3 benchmarks/bench_train_layouts.py --out "$OUT" 2>&1 | quiet > "$OUT/layouts.log"
   timeout 150 python3 benchmarks/train_packed.py --models mamba --out "$OUT" 2>&1 | quiet > "$OUT/train.log"
