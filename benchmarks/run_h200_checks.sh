@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Two calls on one H200 (device tool, kind nvidia-h200, up to 9 minutes each). On a cold machine
-# the tests alone spend about 7 minutes compiling kernels (at ff83373, 22 of them finished in
-# 280 s), so they get a call of their own:
+# the tests spend most of their time compiling kernels (at 2eef27a, 124 tests in 401 s with one
+# process per file), so they get a call of their own:
 #
 #   device run: bash benchmarks/run_h200_checks.sh tests   # GPU tests: the three kernels, packing, kernel swap
 #   device run: bash benchmarks/run_h200_checks.sh bench   # bench_train_layouts.py, Mamba-1 training
@@ -15,10 +15,10 @@ if [ "${1:-tests}" = tests ]; then
   # One pytest process per file: compiling is single-threaded per process and dominates a cold
   # run, so five processes on the 16 host cores finish far sooner than one.
   for f in kernel_selective_scan kernel_ssd_scan kernel_causal_conv1d packing swap_kernels; do
-    timeout 540 python3 -m pytest "tests/test_$f.py" -q -p no:logging -p no:cacheprovider > "$OUT/tests_$f.log" 2>&1 &
+    timeout 540 python3 -m pytest "tests/test_$f.py" -rA -p no:logging -p no:cacheprovider > "$OUT/tests_$f.log" 2>&1 &
   done
   wait
-  for f in kernel_selective_scan kernel_ssd_scan kernel_causal_conv1d packing swap_kernels; do echo "$f: $(tail -1 "$OUT/tests_$f.log")"; done
+  for f in kernel_selective_scan kernel_ssd_scan kernel_causal_conv1d packing swap_kernels; do echo "$f: $(grep -c "PASSED" "$OUT/tests_$f.log") passed, $(grep -c "FAILED" "$OUT/tests_$f.log") failed"; done
 else
   timeout 80 python3 benchmarks/bench_train_layouts.py --out "$OUT" 2>&1 | quiet > "$OUT/layouts.log"
   timeout 150 python3 benchmarks/train_packed.py --models mamba --out "$OUT" 2>&1 | quiet > "$OUT/train.log"
