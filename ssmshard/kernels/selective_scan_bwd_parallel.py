@@ -12,8 +12,9 @@ the adjoint are in-thread scans. Where the other two axes go is Triton's choice,
 B / C loads: compiled for sm_90 by triton 3.9 (8 x 4 tiles, bf16 inputs) a thread holds 4
 channels x 4 tokens of one state index, and the 16 state indices sit on 16 lanes. The sums
 over channels (dB, dC) are then in the thread plus one shuffle, and the sums over state
-indices (du, ddelta, y for dz) cost four shuffle rounds each: the kernel's main cost
-(benchmarks/results/kernels/README.md).
+indices (du, ddelta, y for dz) cost four shuffle rounds each. Those sums are not the main cost,
+as this docstring once said: dropping the y sum saves 8 of the loop's shuffles. The adjoint's
+reverse scan was (see ``_adjoint``; benchmarks/results/kernels/README.md, "Roofline").
 
 Per checkpoint chunk (walked from last to first):
   pass A, forward over the chunk's tiles from the checkpoint state, stores the state
@@ -60,7 +61,13 @@ def _adjoint(lam_next, dt_next, A2, C, dy_ssm, tv3, seq, is_end, ch3, n3, state_
                                  mask=state_mask[:, None, :] & end3, other=0.0)
                 source += dfinal.to(tl.float32)
     source = tl.where(tv3 == T - 1, source + decay_next * lam_next[:, None, :], source)
-    _, lam = tl.associative_scan((decay_next, source), 1, linear_recurrence_combine, reverse=True)
+    # A reverse scan, written as a forward scan over the flipped token axis. tl.associative_scan's
+    # own reverse=True compiles (triton 3.6, sm_90) to 220 lane shuffles per tile although the
+    # token axis sits in the thread: pass B's hot loop had 1,221 instructions, 342 of them
+    # SHFL; flipped, 1,001 and 122 (benchmarks/roofline_scan.py). In the flipped order the
+    # recurrence lam_t = source_t + a_{t+1} lam_{t+1} runs forward with decay a_{t+1}.
+    _, lam_flipped = tl.associative_scan((tl.flip(decay_next, 1), tl.flip(source, 1)), 1, linear_recurrence_combine)
+    lam = tl.flip(lam_flipped, 1)
     # The -0.0 fill is the additive identity: the sum is exactly the first token's lam.
     return lam, tl.sum(tl.where(tv3 == 0, lam, -0.0), axis=1)
 
