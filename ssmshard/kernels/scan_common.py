@@ -86,6 +86,16 @@ def token_mask(t, l, WHOLE: tl.constexpr):
 
 
 @triton.jit
+def tile_phase(phase: tl.constexpr, whole, total):
+    """(first, count) of the tiles a ``tl.static_range(2)`` phase walks: phase 0 the ``whole``
+    tiles lying wholly before l (scanned with ``token_mask(..., WHOLE=True)``), phase 1 the
+    remaining ``total - whole``."""
+    if phase == 0:
+        return 0, whole
+    return whole, total - whole
+
+
+@triton.jit
 def boundaries(seq_ptr, t, l, PACKED: tl.constexpr):
     """Which tokens t start / end a sequence, and the sequence each belongs to.
 

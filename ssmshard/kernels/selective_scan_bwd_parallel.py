@@ -12,9 +12,11 @@ the adjoint are in-thread scans. Where the other two axes go is Triton's choice,
 B / C loads: compiled for sm_90 by triton 3.9 (8 x 4 tiles, bf16 inputs) a thread holds 4
 channels x 4 tokens of one state index, and the 16 state indices sit on 16 lanes. The sums
 over channels (dB, dC) are then in the thread plus one shuffle, and the sums over state
-indices (du, ddelta, y for dz) cost four shuffle rounds each. Those sums are not the main cost,
-as this docstring once said: dropping the y sum saves 8 of the loop's shuffles. The adjoint's
-reverse scan was (see ``_adjoint``; benchmarks/results/kernels/README.md, "Roofline").
+indices (du, ddelta, y for dz) cost four shuffle rounds each, yet little in all (dropping the y
+sum saved 8 of pass B's 342 shuffles per tile under triton 3.6, measured while the adjoint still
+scanned in reverse). A reverse
+``tl.associative_scan`` would cost 220 more; see ``_adjoint`` and
+benchmarks/results/kernels/README.md.
 
 Per checkpoint chunk (walked from last to first):
   pass A, forward over the chunk's tiles from the checkpoint state, stores the state
@@ -40,7 +42,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ssmshard.kernels.scan_common import LN2, LOG2E, boundaries, discretise, linear_recurrence_combine, token_mask
+from ssmshard.kernels.scan_common import (LN2, LOG2E, boundaries, discretise, linear_recurrence_combine,
+                                          tile_phase, token_mask)
 from ssmshard.kernels.selective_scan_fwd_parallel import load_bc, load_tokens, tile_states
 
 
@@ -170,10 +173,7 @@ def scan_bwd_parallel_kernel(
             # Pass A: the state entering each tile of the chunk, from the chunk's checkpoint.
             h = tl.load(ckpt_ptr + (b64 * num_chunks + k) * n * d + state_ptrs, mask=state_mask, other=0.0)
             for phase in tl.static_range(2):  # whole tiles (see token_mask), then the rest
-                if phase == 0:
-                    j_first, count = 0, whole
-                else:
-                    j_first, count = whole, tiles - whole
+                j_first, count = tile_phase(phase, whole, tiles)
                 for jj in range(count):
                     j = j_first + jj
                     tl.store(scratch + j * N_PAD * BLOCK_D, h)
@@ -191,16 +191,13 @@ def scan_bwd_parallel_kernel(
                         h = tl.sum(tl.where(tv3 == T - 1, hs, -0.0), axis=1)
 
         # Pass B: the tiles in reverse, the partial ones (past l's last whole tile) first.
-        for phase in tl.static_range(2):
-            if phase == 0:
-                j_last, count = tiles - 1, tiles - whole
-            else:
-                j_last, count = whole - 1, whole
+        for phase in tl.static_range(1, -1, -1):
+            j_first, count = tile_phase(phase, whole, tiles)
             for jj in range(count):
-                j = j_last - jj
+                j = j_first + count - 1 - jj
                 t = tl.multiple_of(c0 + j * T, T) + tv
                 t3 = t[None, :, None]
-                in_row = token_mask(t3, l, phase == 1)
+                in_row = token_mask(t3, l, phase == 0)
                 tile_mask = ch_mask[:, None, None] & in_row
                 next_mask = ch_mask[:, None, None] & (t3 + 1 < l)
                 bc_mask = state_mask[:, None, :] & in_row
@@ -232,7 +229,7 @@ def scan_bwd_parallel_kernel(
                     lam_ah = lam * (hs - x)  # lam_t * a_t * h_{t-1}
                     # Sums over channels (lanes): per (token, state) partials of this block.
                     part = part_row + nv[None, :] * row_len + t[:, None]  # (T, N_PAD)
-                    part_mask = n_mask[None, :] & token_mask(t[:, None], l, phase == 1)
+                    part_mask = n_mask[None, :] & token_mask(t[:, None], l, phase == 0)
                     tl.store(dC_part_ptr + part, tl.sum(dy_ssm * hs, axis=0), mask=part_mask)
                     tl.store(dB_part_ptr + part, tl.sum(lam * dtu, axis=0), mask=part_mask)
                     dA_acc += tl.sum(dt * lam_ah, axis=1)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ssmshard.kernels.scan_common import LOG2E, boundaries, discretise, linear_recurrence_combine, token_mask
+from ssmshard.kernels.scan_common import LOG2E, boundaries, discretise, linear_recurrence_combine, tile_phase, token_mask
 
 
 @triton.jit
@@ -227,10 +227,7 @@ def scan_fwd_parallel_kernel(
     num_tiles = tl.cdiv(t_stop - t_begin, T)
     num_whole = tl.minimum(num_tiles, (l - t_begin) // T)  # tiles wholly before l
     for phase in tl.static_range(2):  # the whole tiles, then the row's partial last tile (if any)
-        if phase == 0:
-            first, count = 0, num_whole
-        else:
-            first, count = num_whole, num_tiles - num_whole
+        first, count = tile_phase(phase, num_whole, num_tiles)
         for k in range(count):
             # A step count, not range(t_begin, t_stop, T): with a runtime start the loop variable
             # loses its alignment, the hint with it, and the loads their 16-byte vectors.
