@@ -260,6 +260,83 @@ def sweep_backward(x, b, d, l, bench):
     return out
 
 
+# Register caps (ScanConfig.par_maxnreg / bwd_maxnreg) and tiles. Offline sm_90 compiles under
+# triton 3.6: the forward's 32 x 4 tile uses 254 registers uncapped (8 warps per SM) and spills
+# in its loop when capped; the 16 x 4 tile uses 168 without a cap (12 warps). The backward's
+# 8 x 4 tile uses 227 uncapped, 192 and 168 with no spill in its loops, 152 and 128 with a few.
+REGISTER_SWEEP_FWD = (("bd32", 32, None), ("bd32 cap232", 32, 232), ("bd32 cap192", 32, 192), ("bd16", 16, None))
+REGISTER_SWEEP_BWD = (None, 192, 168, 152, 128)
+# Segment counts, as multiples of the default's, for the forward tiles and backward caps that
+# the register sweep left in the running.
+SEGMENT_MULTIPLES = (1, 2, 3, 4)
+SEGMENT_SWEEP_FWD = (("bd32", 32), ("bd16", 16))
+SEGMENT_SWEEP_BWD = (None, 168)
+MIN_SWEEP_SEGMENT_TOKENS = 128
+
+
+def register_sweep_configs(b, d, l):
+    """(forward configs, forward+backward configs) of ``--sweep-registers``: the forward per
+    tile / register cap (and, at batch 1, with twice the default's segments); the backward per
+    register cap on the default forward."""
+    base = default_config(b, d, l, torch.device("cuda"))
+    fwd = {}
+    for name, block_d, cap in REGISTER_SWEEP_FWD:
+        fwd[f"fwd {name}"] = ScanConfig(**{**base.__dict__, "par_block_d": block_d, "par_maxnreg": cap})
+        if b == 1 and l // (2 * base.segments) >= 256:
+            fwd[f"fwd {name} seg{2 * base.segments}"] = ScanConfig(
+                **{**base.__dict__, "par_block_d": block_d, "par_maxnreg": cap, "segments": 2 * base.segments})
+    fwd_bwd = {f"bwd cap{cap}" if cap else "bwd uncapped": ScanConfig(**{**base.__dict__, "bwd_maxnreg": cap})
+               for cap in REGISTER_SWEEP_BWD}
+    return fwd, fwd_bwd
+
+
+def segment_sweep_configs(b, d, l):
+    """(forward configs, forward+backward configs) of ``--sweep-segments``: SEGMENT_MULTIPLES of
+    the default's segment count (at least 2 at batch > 1, segments of at least
+    MIN_SWEEP_SEGMENT_TOKENS), per forward tile and per backward register cap."""
+    base = default_config(b, d, l, torch.device("cuda"))
+    counts = sorted({min(max(m * base.segments, m), max(1, l // MIN_SWEEP_SEGMENT_TOKENS)) for m in SEGMENT_MULTIPLES})
+    fwd, fwd_bwd = {}, {}
+    for segments in counts:
+        for name, block_d in SEGMENT_SWEEP_FWD:
+            fwd[f"fwd {name} seg{segments}"] = ScanConfig(**{**base.__dict__, "par_block_d": block_d, "segments": segments})
+        for cap in SEGMENT_SWEEP_BWD:
+            fwd_bwd[f"f+b {f'cap{cap}' if cap else 'uncapped'} seg{segments}"] = ScanConfig(
+                **{**base.__dict__, "bwd_maxnreg": cap, "segments": segments})
+    return fwd, fwd_bwd
+
+
+def sweep_launch(x, configs, bench, cu_seqlens=None):
+    """Forward medians over ``configs[0]``, forward+backward medians over ``configs[1]``, each
+    with the largest relative difference of y (or of any input gradient) from the first
+    config's."""
+    fwd_configs, fwd_bwd_configs = configs
+    args = [x[k] for k in ORDER]
+    dy = torch.randn_like(x["u"])
+    out, y_want, g_want = {}, None, None
+    for name, cfg in fwd_configs.items():
+        with torch.no_grad():
+            y = selective_scan(*args, True, out_dtype=torch.float32, cu_seqlens=cu_seqlens, config=cfg)
+        y_want = y if y_want is None else y_want
+        f, _ = ours(x, cfg, cu_seqlens)
+        out[name] = {"config": cfg.__dict__, "fwd_ms": bench(f), "max_rel_diff": rel_err(y, y_want)}
+        print(f"    sweep {name:<28} fwd     {out[name]['fwd_ms']:8.3f} ms  diff {out[name]['max_rel_diff']:.1e}",
+              flush=True)
+        del y
+    del y_want
+    for name, cfg in fwd_bwd_configs.items():
+        leaves = [a.detach().requires_grad_(True) for a in args]
+        grads = torch.autograd.grad(selective_scan(*leaves, True, cu_seqlens=cu_seqlens, config=cfg), leaves, dy)
+        g_want = g_want or grads
+        _, fb = ours(x, cfg, cu_seqlens)
+        out[name] = {"config": cfg.__dict__, "fwd_bwd_ms": bench(fb),
+                     "max_rel_diff": max(rel_err(g, w) for g, w in zip(grads, g_want))}
+        print(f"    sweep {name:<28} fwd+bwd {out[name]['fwd_bwd_ms']:8.3f} ms  diff {out[name]['max_rel_diff']:.1e}",
+              flush=True)
+        del grads, leaves
+    return out
+
+
 def sweep_forward(x, configs, bench):
     """Forward median and max relative error (y against the fp32 torch reference) per config."""
     args = [x[k] for k in ORDER]
@@ -284,6 +361,11 @@ def main():
                         help="also time the sequential forward's and the backward's launch configurations")
     parser.add_argument("--sweep-backward", action="store_true",
                         help="also time the parallel backward's tiles (forward+backward median per config)")
+    parser.add_argument("--sweep-registers", action="store_true",
+                        help="also time register caps and tiles of the parallel kernels (headline shapes and the packed row)")
+    parser.add_argument("--sweep-segments", action="store_true",
+                        help="also time segment counts with the forward tiles and backward caps left by --sweep-registers "
+                             "(every shape and the packed row)")
     parser.add_argument("--only-sweeps", action="store_true", help="time only the two headline shapes (with the sweeps asked for)")
     parser.add_argument("--no-mamba", action="store_true", help="skip the mamba_ssm comparison")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter")
@@ -329,6 +411,10 @@ def main():
             row["sweep"] = sweep_forward(x, sweep_configs(b, d, l) if not args.smoke else
                                          {"parallel": ScanConfig(fwd_variant="parallel", par_block_d=16)}, bench)
             row["sweep_s"] = time.time() - t_sweep
+        if args.sweep_registers and not args.smoke and (b, d, l) in shapes[:2]:
+            row["sweep_registers"] = sweep_launch(x, register_sweep_configs(b, d, l), bench)
+        if args.sweep_segments and not args.smoke:
+            row["sweep_segments"] = sweep_launch(x, segment_sweep_configs(b, d, l), bench)
         if args.sweep_backward and not args.smoke and (b, d, l) in shapes[:2]:
             row["sweep_backward"] = sweep_backward(x, b, d, l, bench)
         if args.sweep_sequential and not args.smoke:
@@ -354,6 +440,10 @@ def main():
                            / (row["ours_fwd_bwd_ms"] * 1e-3) / 1e9)
     if scan_fn is not None:
         row["note"] = "mamba_ssm selective_scan_fn takes no cu_seqlens: not compared"
+    if args.sweep_registers and not args.smoke:
+        row["sweep_registers"] = sweep_launch(x, register_sweep_configs(1, x["u"].shape[1], packed_total), bench, cu)
+    if args.sweep_segments and not args.smoke:
+        row["sweep_segments"] = sweep_launch(x, segment_sweep_configs(1, x["u"].shape[1], packed_total), bench, cu)
     rows.append(row)
     del x
 
@@ -386,6 +476,9 @@ def main():
               f"{r['fwd_GBps']:8.0f} {r['fwd_bwd_GBps']:8.0f}")
         for name, t in r.get("sweep", {}).items():
             print(f"    sweep {name:<40} {t['fwd_ms']:8.3f}  rel err {t['rel_err']:.1e}")
+        for name, t in {**r.get("sweep_registers", {}), **r.get("sweep_segments", {})}.items():
+            kind, ms = ("fwd", t["fwd_ms"]) if "fwd_ms" in t else ("f+b", t["fwd_bwd_ms"])
+            print(f"    {name:<46} {kind} {ms:8.3f}  diff {t['max_rel_diff']:.1e}")
         for name, t in r.get("sweep_sequential", {}).items():
             print(f"    sweep {name:<40} {t['fwd_ms']:8.3f} {t['fwd_bwd_ms']:8.3f}")
     print(f"copy roofline {roofline / 1e9:.0f} GB/s; decode: "

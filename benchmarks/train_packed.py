@@ -10,12 +10,20 @@ the sum of next-token cross-entropies over real tokens divided by the step's num
 so all three modes compute the same function of the same tokens:
 
 * packed:  sequences, in drawing order, laid end to end into rows of at most --pack-len tokens
-           (no padding), run by the packed forward program (``capture(model, packed=True)``);
-* padded:  sequences sorted by length (longest first; --padded-order random for drawing order),
+           (no padding but the filler), run by the packed forward program (``capture(model, packed=True)``);
+* padded:  sequences sorted by length (longest first; --padded-order random for drawing order,
+           both for two padded modes, "padded" sorted and "padded_random"),
            grouped into micro-batches with rows x longest <= --pack-len tokens, right-padded
            (pads predict nothing and, the model being causal, change no real token's output),
            run by the ordinary forward program;
 * one:     each sequence alone (batch 1) through the ordinary forward program.
+
+Every mode rounds its rows up to --pad-to-multiple-of tokens (default 16 on the GPU), as a
+padding collator's ``pad_to_multiple_of`` does: packed rows get a filler sequence at the end
+(``ssmshard.pack(..., pad_to_multiple_of=)``), padded and one-at-a-time rows right padding. Rows
+of arbitrary length put cuBLAS on its unaligned GEMM kernels and the scans on scalar loads: on
+one H200 the Mamba-1 packed step took 2,873 ms with --pad-to-multiple-of 1 and 2,175 ms with 16
+(``benchmarks/results/train_packed/``).
 
 On CUDA both programs get the ``swap_kernels`` pass (Triton scan and conv kernels, forward and
 backward) and everything is bfloat16: weights, gradients and AdamW's moments (no fp32 master
@@ -57,6 +65,11 @@ from ssmshard.passes import run_pipeline  # noqa: E402
 from ssmshard.testing import randomize_weights  # noqa: E402
 
 MODES = ("packed", "padded", "one")
+
+
+def mode_names(padded_order: str) -> tuple[str, ...]:
+    """The modes a run times: with --padded-order both, a second padded mode in drawing order."""
+    return ("packed", "padded", "padded_random", "one") if padded_order == "both" else MODES
 IGNORE = -100  # cross_entropy's ignore_index: no target at this position
 
 
@@ -164,37 +177,47 @@ def _fill_in_order(sequences, fits) -> list[list]:
     return groups
 
 
-def packed_micro_batches(sequences, pack_len: int) -> list[MicroBatch]:
-    """Sequences in order, each row filled until the next sequence would pass ``pack_len``."""
-    rows = _fill_in_order(sequences, lambda row, seq: sum(s.numel() for s in row) + seq.numel() <= pack_len)
+def round_up(tokens: int, multiple: int) -> int:
+    return -(-tokens // multiple) * multiple
+
+
+def packed_micro_batches(sequences, pack_len: int, multiple: int = 1, pad_id: int = 0) -> list[MicroBatch]:
+    """Sequences in order, each row filled until the next sequence would pass ``pack_len``
+    (counting the filler that rounds the row up to ``multiple`` tokens, ``ssmshard.pack``)."""
+    rows = _fill_in_order(
+        sequences, lambda row, seq: round_up(sum(s.numel() for s in row) + seq.numel(), multiple) <= pack_len)
     batches = []
     for row in rows:
-        packed = ssmshard.pack(row)
-        targets = torch.cat([next_token_targets(s) for s in row])[None]  # (T,) -> (1, T)
-        batches.append(MicroBatch(packed.input_ids, targets, packed.cu_seqlens, packed.input_ids.shape[1]))
+        packed = ssmshard.pack(row, pad_to_multiple_of=multiple, pad_id=pad_id)
+        targets = torch.cat([next_token_targets(s) for s in row]
+                            + [torch.full((packed.padding,), IGNORE, dtype=torch.long)])[None]  # (T,) -> (1, T)
+        batches.append(MicroBatch(packed.input_ids, targets, packed.cu_seqlens, sum(s.numel() for s in row)))
     return batches
 
 
-def padded_micro_batches(sequences, pack_len: int, order: str, pad_id: int) -> list[MicroBatch]:
-    """Groups whose rows x longest length stay within ``pack_len`` tokens, right-padded."""
+def padded_micro_batches(sequences, pack_len: int, order: str, pad_id: int, multiple: int = 1) -> list[MicroBatch]:
+    """Groups whose rows x longest length (rounded up to ``multiple``) stay within ``pack_len``
+    tokens, right-padded."""
     if order == "sorted":
         sequences = sorted(sequences, key=lambda s: -s.numel())
-    groups = _fill_in_order(
-        sequences, lambda group, seq: (len(group) + 1) * max([s.numel() for s in group] + [seq.numel()]) <= pack_len)
-    batches = []
-    for group in groups:
-        longest = max(s.numel() for s in group)
-        ids = torch.full((len(group), longest), pad_id, dtype=torch.long)  # (b, P)
-        targets = torch.full((len(group), longest), IGNORE, dtype=torch.long)
-        for row, seq in enumerate(group):
-            ids[row, :seq.numel()] = seq
-            targets[row, :seq.numel()] = next_token_targets(seq)
-        batches.append(MicroBatch(ids, targets, None, sum(s.numel() for s in group)))
-    return batches
+    groups = _fill_in_order(sequences, lambda group, seq: (len(group) + 1) * round_up(
+        max([s.numel() for s in group] + [seq.numel()]), multiple) <= pack_len)
+    return [_right_padded(group, round_up(max(s.numel() for s in group), multiple), pad_id) for group in groups]
 
 
-def one_at_a_time_micro_batches(sequences) -> list[MicroBatch]:
-    return [MicroBatch(s[None], next_token_targets(s)[None], None, s.numel()) for s in sequences]
+def one_at_a_time_micro_batches(sequences, multiple: int = 1, pad_id: int = 0) -> list[MicroBatch]:
+    """Each sequence alone, right-padded to ``multiple`` tokens."""
+    return [_right_padded([s], round_up(s.numel(), multiple), pad_id) for s in sequences]
+
+
+def _right_padded(group, length: int, pad_id: int) -> MicroBatch:
+    """One row per sequence of ``group``, right-padded to ``length`` tokens."""
+    ids = torch.full((len(group), length), pad_id, dtype=torch.long)  # (b, P)
+    targets = torch.full((len(group), length), IGNORE, dtype=torch.long)
+    for row, seq in enumerate(group):
+        ids[row, :seq.numel()] = seq
+        targets[row, :seq.numel()] = next_token_targets(seq)
+    return MicroBatch(ids, targets, None, sum(s.numel() for s in group))
 
 
 # ------------------------------------------------------------------------------ the step
@@ -263,13 +286,19 @@ def bench_model(name: str, args, device, dtype, report: dict, write) -> bool:
         raise ValueError(f"--pack-len {args.pack_len} is shorter than the longest sequence ({max(lengths)})")
     sequences = draw_sequences(lengths, vocab, args.seed)
     pad_id = model.config.pad_token_id or 0
+    modes = mode_names(args.padded_order)
     batches = {
-        "packed": packed_micro_batches(sequences, args.pack_len),
-        "padded": padded_micro_batches(sequences, args.pack_len, args.padded_order, pad_id),
-        "one": one_at_a_time_micro_batches(sequences),
+        "packed": packed_micro_batches(sequences, args.pack_len, args.pad_to_multiple_of, pad_id),
+        "padded": padded_micro_batches(sequences, args.pack_len,
+                                       "sorted" if args.padded_order == "both" else args.padded_order, pad_id,
+                                       args.pad_to_multiple_of),
+        "one": one_at_a_time_micro_batches(sequences, args.pad_to_multiple_of, pad_id),
     }
+    if "padded_random" in modes:
+        batches["padded_random"] = padded_micro_batches(sequences, args.pack_len, "random", pad_id,
+                                                        args.pad_to_multiple_of)
     batches = {mode: [b.to(device) for b in bs] for mode, bs in batches.items()}
-    program_of = {"packed": packed_program, "padded": forward_program, "one": forward_program}
+    program_of = {mode: packed_program if mode == "packed" else forward_program for mode in modes}
     real_tokens = sum(lengths)
     n_targets = real_tokens - len(lengths)
     entry = {
@@ -290,17 +319,17 @@ def bench_model(name: str, args, device, dtype, report: dict, write) -> bool:
     # The loss check, before any optimizer step: the same weights in every mode.
     with torch.no_grad():
         losses = {mode: float(sum(step_loss_part(program_of[mode], b, n_targets) for b in batches[mode]))
-                  for mode in MODES}
-    errors = {mode: abs(losses[mode] - losses["packed"]) / abs(losses["one"]) for mode in ("one", "padded")}
+                  for mode in modes}
+    errors = {mode: abs(losses[mode] - losses["packed"]) / abs(losses["one"]) for mode in modes if mode != "packed"}
     passed = all(err <= args.loss_rtol for err in errors.values())
     entry["loss_check"] = {"losses": losses, "rel_diff_vs_packed": errors, "rtol": args.loss_rtol, "passed": passed}
     print(f"[{name}] step loss of the initial weights: " + ", ".join(f"{m} {v:.6f}" for m, v in losses.items())
-          + f"; |packed - one| / one = {errors['one']:.2e}, |packed - padded| / one = {errors['padded']:.2e} "
+          + "; " + ", ".join(f"|packed - {m}| / one = {e:.2e}" for m, e in errors.items()) + " "
           f"(rtol {args.loss_rtol:g}): {'ok' if passed else 'FAILED'}", flush=True)
     write()
 
     timer = StepTimer(device)
-    for mode in MODES:
+    for mode in modes:
         randomize_weights(model, seed=args.seed)  # every mode starts from the same weights
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
         if torch.device(device).type == "cuda":
@@ -333,9 +362,13 @@ def bench_model(name: str, args, device, dtype, report: dict, write) -> bool:
     modes = entry["modes"]
     entry["packed_vs_one"] = modes["packed"]["tokens_per_s"] / modes["one"]["tokens_per_s"]
     entry["packed_vs_padded"] = modes["packed"]["tokens_per_s"] / modes["padded"]["tokens_per_s"]
+    if "padded_random" in modes:
+        entry["packed_vs_padded_random"] = modes["packed"]["tokens_per_s"] / modes["padded_random"]["tokens_per_s"]
     entry["wall_s"] = time.perf_counter() - started
     print(f"[{name}] packed / one-at-a-time {entry['packed_vs_one']:.2f}x (target 3x), packed / padded "
-          f"{entry['packed_vs_padded']:.2f}x (target 1.5x); {entry['wall_s']:.0f}s", flush=True)
+          f"{entry['packed_vs_padded']:.2f}x (target 1.5x)"
+          + (f", packed / padded in drawing order {entry['packed_vs_padded_random']:.2f}x"
+             if "packed_vs_padded_random" in entry else "") + f"; {entry['wall_s']:.0f}s", flush=True)
     write()
     del packed_program, forward_program, model
     if torch.device(device).type == "cuda":
@@ -355,18 +388,21 @@ def write_plot(report: dict, path: str) -> None:
     except ImportError:
         print("matplotlib is not importable: no plot written (the JSON has every figure)", flush=True)
         return
-    names = [n for n, e in report["models"].items() if len(e["modes"]) == len(MODES)]
+    modes = mode_names(report["args"]["padded_order"])
+    names = [n for n, e in report["models"].items() if len(e["modes"]) == len(modes)]
     if not names:
         return
     fig, ax = plt.subplots(figsize=(2.5 + 2.5 * len(names), 4))
-    width = 0.8 / len(MODES)
-    for i, mode in enumerate(MODES):
+    width = 0.8 / len(modes)
+    for i, mode in enumerate(modes):
         values = [report["models"][n]["modes"][mode]["tokens_per_s"] / 1e3 for n in names]
-        bars = ax.bar([k + (i - 1) * width for k in range(len(names))], values, width, label=mode)
+        bars = ax.bar([k + (i - (len(modes) - 1) / 2) * width for k in range(len(names))], values, width, label=mode)
         ax.bar_label(bars, fmt="%.3g", fontsize=8)
     ax.set_xticks(range(len(names)), [
         f"{n} ({report['models'][n]['params'] / 1e9:.2f}B)\npacked / one {report['models'][n]['packed_vs_one']:.2f}x, "
-        f"/ padded {report['models'][n]['packed_vs_padded']:.2f}x" for n in names])
+        f"/ padded {report['models'][n]['packed_vs_padded']:.2f}x"
+        + (f"\n/ padded_random {report['models'][n]['packed_vs_padded_random']:.2f}x"
+           if "packed_vs_padded_random" in report["models"][n] else "") for n in names])
     ax.set_ylabel("training tokens/s (thousands, real tokens)")
     ax.set_title(f"fwd + bwd + AdamW, {report['device']}, lengths {report['args']['min_len']}.."
                  f"{report['args']['max_len']} log-uniform", fontsize=9)
@@ -385,8 +421,13 @@ def parse_args(argv=None):
                                                                    "(8192; smoke 32)")
     parser.add_argument("--min-len", type=int, default=None, help="shortest sequence (64; smoke 3)")
     parser.add_argument("--max-len", type=int, default=None, help="longest sequence (4096; smoke 24)")
-    parser.add_argument("--padded-order", choices=["sorted", "random"], default="sorted",
-                        help="padded micro-batches from length-sorted sequences (least padding) or in drawing order")
+    parser.add_argument("--padded-order", choices=["sorted", "random", "both"], default="sorted",
+                        help="padded micro-batches from length-sorted sequences (least padding), in drawing order, "
+                             "or both (two padded modes)")
+    parser.add_argument("--pad-to-multiple-of", type=int, default=None,
+                        help="round every row up to a multiple of this many tokens, in every mode (packed: a "
+                             "filler sequence at the row's end; padded and one: right padding), as a padding "
+                             "collator's pad_to_multiple_of does (16; smoke 1)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps per mode (1; smoke 0)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per mode (3; smoke 1)")
     parser.add_argument("--lr", type=float, default=1e-5)
@@ -394,13 +435,15 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/train_packed"))
     args = parser.parse_args(argv)
-    defaults = dict(tokens_per_step=(64, 32768), pack_len=(32, 8192), min_len=(3, 64), max_len=(24, 4096),
+    defaults = dict(pad_to_multiple_of=(1, 16), tokens_per_step=(64, 32768), pack_len=(32, 8192), min_len=(3, 64), max_len=(24, 4096),
                     warmup=(0, 1), steps=(1, 3), loss_rtol=(1e-5, 2e-2))
     for key, (smoke, full) in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, smoke if args.smoke else full)
     if args.steps < 1:
         parser.error("--steps must be at least 1")
+    if args.pad_to_multiple_of < 1 or args.pack_len % args.pad_to_multiple_of:
+        parser.error(f"--pad-to-multiple-of must be >= 1 and divide --pack-len ({args.pack_len})")
     return args
 
 

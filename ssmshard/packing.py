@@ -4,6 +4,11 @@
 describes the boundaries with ``cu_seqlens``, the int32 offsets (S+1,) that varlen kernels
 take (``cu_seqlens[s]`` is where sequence s starts, ``cu_seqlens[-1] == T``), plus
 ``position_ids`` restarting at 0 in every sequence (what rotary attention needs).
+``pack(..., pad_to_multiple_of=16)`` rounds T up with filler tokens at the row's end, as a
+padding collator does: token rows whose length is a multiple of 8 or 16 let cuBLAS pick its
+aligned GEMM kernels and the scan kernels their vector loads. The filler is a sequence of its
+own in ``cu_seqlens`` (the kernels need offsets that reach T) and comes last, so no real
+token's output depends on it; ``lengths``, ``num_sequences`` and ``unpack`` leave it out.
 
 A program captured with ``capture(model, packed=True)`` runs such a batch as if every
 sequence were run on its own: scans restart from a zero state at each sequence start, conv
@@ -32,17 +37,21 @@ class PackedBatch:
     input_ids: Tensor  # (1, T) token ids of all sequences, end to end
     cu_seqlens: Tensor  # (S + 1,) int32 offsets: sequence s is input_ids[0, cu[s]:cu[s+1]]
     position_ids: Tensor  # (1, T) position of each token inside its own sequence
+    padding: int = 0  # filler tokens at the end (the last entry of cu_seqlens when > 0)
 
     @property
     def lengths(self) -> list[int]:
-        return torch.diff(self.cu_seqlens).tolist()
+        """Lengths of the real sequences (the filler left out)."""
+        lengths = torch.diff(self.cu_seqlens).tolist()
+        return lengths[:-1] if self.padding else lengths
 
     @property
     def num_sequences(self) -> int:
-        return self.cu_seqlens.numel() - 1
+        return self.cu_seqlens.numel() - 1 - (1 if self.padding else 0)
 
     def unpack(self, packed: Tensor) -> list[Tensor]:
-        """Split ``packed`` (1, T, ...) into one (1, L_s, ...) view per sequence, in packing order.
+        """Split ``packed`` (1, T, ...) into one (1, L_s, ...) view per sequence, in packing order
+        (the filler dropped).
 
         The batch dim is kept so that each piece has the shape a batch-1 run of that sequence
         alone would produce.
@@ -51,14 +60,21 @@ class PackedBatch:
         if packed.dim() < 2 or packed.shape[0] != 1 or packed.shape[1] != total:
             raise ValueError(f"unpack expects a (1, {total}, ...) tensor (batch 1, the packed length), "
                              f"got {tuple(packed.shape)}")
-        return list(torch.split(packed, self.lengths, dim=1))
+        pieces = torch.split(packed, torch.diff(self.cu_seqlens).tolist(), dim=1)
+        return list(pieces[:-1] if self.padding else pieces)
 
     def to(self, device) -> "PackedBatch":
-        return PackedBatch(self.input_ids.to(device), self.cu_seqlens.to(device), self.position_ids.to(device))
+        return PackedBatch(self.input_ids.to(device), self.cu_seqlens.to(device), self.position_ids.to(device),
+                           self.padding)
 
 
-def pack(sequences: Sequence) -> PackedBatch:
-    """Pack token sequences (1-D tensors, (1, L) tensors or lists of ints) into one row."""
+def pack(sequences: Sequence, pad_to_multiple_of: int = 1, pad_id: int = 0) -> PackedBatch:
+    """Pack token sequences (1-D tensors, (1, L) tensors or lists of ints) into one row.
+
+    ``pad_to_multiple_of``: append filler tokens (``pad_id``) as one more sequence until the
+    row's length is a multiple of this (see the module docstring); 1 adds none."""
+    if pad_to_multiple_of < 1:
+        raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
     if len(sequences) == 0:
         raise ValueError("pack() needs at least one sequence")
     rows = []
@@ -74,11 +90,14 @@ def pack(sequences: Sequence) -> PackedBatch:
             raise TypeError(f"sequence {index} holds {ids.dtype} values; token ids must be integers")
         rows.append(ids.long())
     device = rows[0].device
+    padding = -sum(r.numel() for r in rows) % pad_to_multiple_of
+    if padding:
+        rows.append(torch.full((padding,), pad_id, dtype=torch.long, device=device))
     lengths = torch.tensor([r.numel() for r in rows], device=device)
     cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)  # (S + 1,)
     input_ids = torch.cat([r.to(device) for r in rows])[None]  # (T,) -> (1, T)
     position_ids = positions_in_sequence(cu_seqlens, input_ids.shape[1])[None]  # (T,) -> (1, T)
-    return PackedBatch(input_ids, cu_seqlens, position_ids)
+    return PackedBatch(input_ids, cu_seqlens, position_ids, padding)
 
 
 # ----------------------------------------------------------------- per-token facts (traceable)

@@ -317,6 +317,8 @@ def test_rejects_bad_arguments():
         selective_scan(*args[:3], torch.zeros(2, 3, 4, 8, device=DEVICE), torch.zeros(2, 3, 4, 8, device=DEVICE))
     with pytest.raises(ValueError, match="fwd_variant must be one of"):
         ScanConfig(fwd_variant="fast")
+    with pytest.raises(ValueError, match="bwd_maxnreg must be None or a register count"):
+        ScanConfig(bwd_maxnreg=300)
     with pytest.raises(ValueError, match="par_tokens must be a power of two"):
         ScanConfig(fwd_variant="parallel", par_tokens=12)
 

@@ -72,13 +72,16 @@ def test_smoke_modes_agree_with_a_float64_reference(tmp_path, fresh_seed, one_th
         assert entry["packed_vs_one"] > 0 and entry["packed_vs_padded"] > 0
 
 
-def test_micro_batches_hold_every_token_once_within_the_cap(fresh_seed):
+@pytest.mark.parametrize("multiple", [1, 16])
+def test_micro_batches_hold_every_token_once_within_the_cap(multiple, fresh_seed):
     lengths = bench.draw_lengths(3000, 5, 400, fresh_seed)
     sequences = bench.draw_sequences(lengths, 100, fresh_seed)
-    for batches in (bench.packed_micro_batches(sequences, 512),
-                    bench.padded_micro_batches(sequences, 512, "sorted", 0),
-                    bench.padded_micro_batches(sequences, 512, "random", 0)):
-        assert all(b.input_ids.numel() <= 512 for b in batches)
+    for batches in (bench.packed_micro_batches(sequences, 512, multiple, 3),
+                    bench.padded_micro_batches(sequences, 512, "sorted", 3, multiple),
+                    bench.padded_micro_batches(sequences, 512, "random", 3, multiple),
+                    bench.one_at_a_time_micro_batches(sequences, multiple, 3)):
+        assert all(b.input_ids.numel() <= 512 or b.input_ids.shape[0] == 1 for b in batches)
+        assert all(b.input_ids.shape[1] % multiple == 0 for b in batches)
         assert sum(b.real_tokens for b in batches) == sum(lengths)
         assert sum(int((b.targets != bench.IGNORE).sum()) for b in batches) == sum(lengths) - len(lengths)
         # Every (token, next token) pair of every sequence, once; nothing across sequences or pads.

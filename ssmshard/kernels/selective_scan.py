@@ -89,6 +89,11 @@ class ScanConfig:
     par_warps: int = 4
     bwd_variant: str = "tile"
     bwd_tokens: int = 4
+    # Register caps (ptxas .maxnreg) for the parallel kernels; None leaves ptxas free. The
+    # kernels are latency bound with one warp per program, and a cap trades a few spills for
+    # more resident warps per SM (65536 / (32 * registers)).
+    par_maxnreg: Optional[int] = None
+    bwd_maxnreg: Optional[int] = None
 
     @property
     def fwd_channels(self) -> int:
@@ -100,6 +105,10 @@ class ScanConfig:
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"ScanConfig.{name} must be a power of two, got {value}")
+        for name in ("par_maxnreg", "bwd_maxnreg"):
+            value = getattr(self, name)
+            if value is not None and not 24 <= value <= 255:
+                raise ValueError(f"ScanConfig.{name} must be None or a register count in 24..255, got {value}")
         if self.chunk < 8:
             raise ValueError(f"ScanConfig.chunk must be at least 8 tokens, got {self.chunk}")
         if self.segments < 1:
@@ -118,27 +127,42 @@ def _sm_count(device: torch.device) -> int:
     return 1
 
 
-# Warps per SM the forward aims for before it splits the sequence into segments.
+# Below this many forward warps per SM the sequence is split into segments (each at least
+# _MIN_SEGMENT_TOKENS long), as many as give _SPLIT_WARPS_PER_SM warps per SM. A split costs a
+# second pass over each segment (from a zero state, without output), so it pays only when the
+# SMs would otherwise idle: at B=8 d=5120 L=2048 (9.7 warps per SM) two segments slowed the
+# forward from 1.32 to 1.62 ms.
 _FWD_WARPS_PER_SM = 8
+_SPLIT_WARPS_PER_SM = 32
 _MIN_SEGMENT_TOKENS = 256
+# Register cap of the parallel backward on split sequences (on whole ones it slowed it).
+_SPLIT_BWD_MAXNREG = 168
 
 
 def default_config(b: int, d: int, l: int, device: torch.device) -> ScanConfig:
-    """The forward runs one channel per thread: b * d / 32 warps. Below ~8 warps per SM the
-    sequence is split into segments (each >= 256 tokens) to make up the difference; the
-    backward uses the same segments.
+    """The parallel forward runs 32 channels per warp: b * d / 32 warps. With fewer than 8 per
+    SM the sequence is split into segments to make up the difference; the backward uses the
+    same segments, with its registers capped at 168 (227 uncapped: 12 resident warps per SM
+    instead of 8; no spills in its loops).
 
-    Both picks won sweeps on an H200 (``benchmarks/results/kernels/``). Forward: the parallel
-    variant with 32-channel, 4-token tiles on one warp (1.343 ms against the sequential
-    2.719 ms at B=8 d=5120 L=2048; 2.236 against 3.764 ms at B=1 L=16384 with the 7 segments
-    this rule picks). Backward: the parallel variant with 8-channel, 4-token tiles on one warp
-    (forward+backward 10.81 ms against the tile backward's 17.58 ms at B=8 L=2048; 15.09
-    against 26.90 ms at B=1 L=16384)."""
+    Every pick won a sweep on an H200 (``benchmarks/results/kernels/``):
+    - forward: the parallel variant with 32-channel, 4-token tiles on one warp (1.343 ms against
+      the sequential 2.719 ms at B=8 d=5120 L=2048);
+    - backward: the parallel variant with 8-channel, 4-token tiles on one warp (forward+backward
+      10.81 ms against the tile backward's 17.58 ms at B=8 L=2048, before later changes);
+    - segments and the cap (seventh session, d=5120): at B=1 L=16384, 26 segments and the cap
+      took forward+backward from 10.94 ms (7 segments, uncapped) to 9.03 ms and the forward
+      from 2.24 to 1.55 ms; on a packed row of 16384 tokens 11.56 -> 9.53 ms; at L=8192
+      5.29 -> 4.61 ms. At B=8 L=2048 the cap alone slowed it (8.46 -> 9.05 ms), and splits
+      between 2 and 7 warps per SM were not measured."""
     warps = b * triton.cdiv(d, 32)
-    wanted = triton.cdiv(_FWD_WARPS_PER_SM * _sm_count(device), warps)
-    segments = max(1, min(wanted, l // _MIN_SEGMENT_TOKENS))
+    sms = _sm_count(device)
+    segments = 1
+    if warps < _FWD_WARPS_PER_SM * sms:
+        segments = max(1, min(triton.cdiv(_SPLIT_WARPS_PER_SM * sms, warps), l // _MIN_SEGMENT_TOKENS))
     return ScanConfig(segments=segments, fwd_variant="parallel", par_block_d=32, par_tokens=4, par_warps=1,
-                      bwd_variant="parallel", bwd_block_d=8, bwd_tokens=4, bwd_warps=1)
+                      bwd_variant="parallel", bwd_block_d=8, bwd_tokens=4, bwd_warps=1,
+                      bwd_maxnreg=_SPLIT_BWD_MAXNREG if segments > 1 else None)
 
 
 # --- argument checks ---------------------------------------------------------------------
@@ -319,13 +343,18 @@ def _segments(l: int, cfg: ScanConfig) -> tuple[int, int]:
     return triton.cdiv(l, seg_len), seg_len
 
 
+def _launch_options(num_warps: int, maxnreg: Optional[int]) -> dict:
+    # maxnreg is passed only when set: older launchers and the CPU interpreter never see it.
+    return dict(num_warps=num_warps) if maxnreg is None else dict(num_warps=num_warps, maxnreg=maxnreg)
+
+
 def _forward_kernel(u, delta, z, y, n, cfg: ScanConfig):
     """The forward kernel for ``cfg.fwd_variant``, its channels per program and the launch
     constants that differ between the two kernels (the arguments are the same)."""
     n_pad = triton.next_power_of_2(n)
     if cfg.fwd_variant == "parallel":
         return scan_fwd_parallel_kernel, cfg.par_block_d, dict(
-            BLOCK_D=cfg.par_block_d, T=cfg.par_tokens, N_PAD=n_pad, num_warps=cfg.par_warps)
+            BLOCK_D=cfg.par_block_d, T=cfg.par_tokens, N_PAD=n_pad, **_launch_options(cfg.par_warps, cfg.par_maxnreg))
     return scan_fwd_kernel, cfg.fwd_channels, dict(
         BLOCK_D=cfg.fwd_channels, V=_tokens_per_step(u, delta, z, y), N_PAD=n_pad,
         N_STATIC=_static_n(n, cfg), num_warps=cfg.fwd_warps)
@@ -509,7 +538,7 @@ def _backward(u, delta, A, B, C, D, z, delta_bias, initial_state, seq_idx, ckpt,
                 d, l, e, n, ckpt.shape[1], seg_len, cfg.chunk, grads.row_len, *strides,
                 HAS_CARRY=carry is not None, LAM_ONLY=lam_only, RANGED=ranges is not None,
                 BLOCK_D=cfg.bwd_block_d, T=cfg.bwd_tokens,
-                num_warps=cfg.bwd_warps, **flags,
+                **_launch_options(cfg.bwd_warps, cfg.bwd_maxnreg), **flags,
             )
 
         carry = None
