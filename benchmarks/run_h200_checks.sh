@@ -7,7 +7,8 @@
 #   device run: bash benchmarks/run_h200_checks.sh bench   # the scan's defaults, Mamba-1 training, bench_train_layouts.py
 #   device run (carry .sdist): bash benchmarks/run_h200_checks.sh peers
 #       # the Mamba-1 scan and its segment sweep beside mamba-ssm's selective_scan_fn. The peers
-#       # build (build_peers.sh, ~5 min) while a first pass without them compiles every config.
+#       # build (build_peers.sh, side by side since the seventh session; untested that way) while a
+#       # first pass without them compiles every config.
 #
 # Logs and JSON under $OUT (at most 8 files come back: keep it to these).
 set -uo pipefail
