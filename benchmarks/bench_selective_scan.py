@@ -236,28 +236,15 @@ def sweep_configs(b, d, l):
 PARALLEL_BWD_TILES = ((4, 2), (4, 4), (8, 2), (8, 4), (16, 2), (16, 4))
 
 
-def sweep_backward(x, b, d, l, bench):
-    """Forward+backward median per parallel-backward tile against the default's backward, and
-    the largest relative difference of any input gradient from the default's (both bf16)."""
+def backward_sweep_configs(b, d, l):
+    """(forward configs, forward+backward configs) of ``--sweep-backward``: none, and the
+    default against each parallel-backward tile."""
     base = default_config(b, d, l, torch.device("cuda"))
     configs = {"default": base}
     for block_d, tokens in PARALLEL_BWD_TILES:
         configs[f"parallel bwd bd{block_d} T{tokens}"] = ScanConfig(
             **{**base.__dict__, "bwd_variant": "parallel", "bwd_block_d": block_d, "bwd_tokens": tokens, "bwd_warps": 1})
-    args = [x[k] for k in ORDER]
-    dy = torch.randn_like(x["u"])
-    out, want = {}, None
-    for name, cfg in configs.items():
-        leaves = [a.detach().requires_grad_(True) for a in args]
-        grads = torch.autograd.grad(selective_scan(*leaves, True, config=cfg), leaves, dy)
-        want = want or grads
-        _, fb = ours(x, cfg)
-        out[name] = {"config": cfg.__dict__, "fwd_bwd_ms": bench(fb),
-                     "max_grad_rel_diff": max(rel_err(g, w) for g, w in zip(grads, want))}
-        print(f"    bwd sweep {name:<32} fwd+bwd {out[name]['fwd_bwd_ms']:8.3f} ms  "
-              f"grad diff {out[name]['max_grad_rel_diff']:.1e}", flush=True)
-        del grads, leaves
-    return out
+    return {}, configs
 
 
 # Register caps (ScanConfig.par_maxnreg / bwd_maxnreg) and tiles. Offline sm_90 compiles under
@@ -416,7 +403,7 @@ def main():
         if args.sweep_segments and not args.smoke:
             row["sweep_segments"] = sweep_launch(x, segment_sweep_configs(b, d, l), bench)
         if args.sweep_backward and not args.smoke and (b, d, l) in shapes[:2]:
-            row["sweep_backward"] = sweep_backward(x, b, d, l, bench)
+            row["sweep_backward"] = sweep_launch(x, backward_sweep_configs(b, d, l), bench)
         if args.sweep_sequential and not args.smoke:
             row["sweep_sequential"] = {}
             for name, c in sweep_sequential_configs(b, d, l).items():

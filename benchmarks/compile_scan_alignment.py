@@ -48,9 +48,10 @@ CASES = {"l % 16 == 0": set(),
          "l % 16 != 0, rows not aligned": {"l"} | ROW_STRIDES}
 
 
-def compile_kernel(fn, constants: dict, misaligned: set, arch: int):
+def compile_kernel(fn, constants: dict, misaligned: set, arch: int, maxnreg: int | None = None):
     """``fn`` compiled for sm_``arch`` with the benchmark's dtypes; the integer arguments named in
-    ``misaligned`` are not declared 16-divisible (all others are, as Triton finds at launch)."""
+    ``misaligned`` are not declared 16-divisible (all others are, as Triton finds at launch).
+    ``maxnreg``: ptxas's register cap (``ScanConfig.par_maxnreg`` / ``bwd_maxnreg``)."""
     constants = dict(HAS_D=True, HAS_Z=True, HAS_BIAS=True, SOFTPLUS=True, PACKED=False, HAS_INIT=False,
                      RANGED=False, T=4, N_PAD=16, **constants)
     signature, attrs = {}, {}
@@ -67,7 +68,8 @@ def compile_kernel(fn, constants: dict, misaligned: set, arch: int):
             if name not in misaligned:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(fn, signature, constexprs=constants, attrs=attrs),
-                          target=GPUTarget("cuda", arch, 32), options={"num_warps": 1})
+                          target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": 1, **({"maxnreg": maxnreg} if maxnreg else {})})
 
 
 def access_counts(fn, constants: dict, misaligned: set, arch: int) -> dict:

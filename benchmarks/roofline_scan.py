@@ -79,6 +79,30 @@ def registers(cubin: bytes) -> int:
     return int(re.search(r"REG:(\d+)", out).group(1))
 
 
+# ptxas register caps tried by ``--register-caps`` (None: uncapped).
+REGISTER_CAPS = (None, 232, 192, 168, 152, 128)
+
+
+def register_caps() -> list[dict]:
+    """Per kernel (the forward as training launches it, storing checkpoints) and cap: registers,
+    spill loads (LDL) in the whole kernel and in its hot loops, and the hot loops' sizes."""
+    rows = []
+    for label, (fn, constants) in KERNELS.items():
+        if label.startswith("forward"):
+            constants = {**constants, "STORE_CKPT": True}
+        for cap in REGISTER_CAPS:
+            cubin = compile_kernel(fn, constants, set(), 90, maxnreg=cap).asm["cubin"]
+            sass = get_sass(cubin)
+            body = loops(sass)
+            hot = [body[0]] if label.startswith("forward") else [body[0], body[-1]]  # see main()
+            row = {"kernel": label.split()[0], "maxnreg": cap, "registers": registers(cubin),
+                   "spill_loads": sass.count("LDL"), "spill_loads_in_hot_loops": [mix(b)["LDL"] for b in hot],
+                   "hot_loop_instructions": [sum(mix(b).values()) for b in hot]}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def floors_ms(warp_iters: float, ops: collections.Counter) -> dict:
     per_sm_clock = SMS * CLOCK_HZ / 1e3  # SM clocks per ms
     return {"issue": warp_iters * sum(ops.values()) / (ISSUE * per_sm_clock),
@@ -95,8 +119,16 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--measured", default="benchmarks/results/kernels/bench_selective_scan_parallel_bwd.json")
     parser.add_argument("--out", default=None, help="write the report as JSON here too")
+    parser.add_argument("--register-caps", action="store_true",
+                        help="only compile each kernel under REGISTER_CAPS and print registers, spills and loop sizes")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
+    if args.register_caps:
+        rows = register_caps()
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"triton": triton.__version__, "arch": "sm_90", "caps": rows}, f, indent=1)
+        return
     measured = json.load(open(args.measured))
     copy_Bps = measured["copy_roofline_GBps"] * 1e9
 

@@ -40,14 +40,13 @@ class PackedBatch:
     padding: int = 0  # filler tokens at the end (the last entry of cu_seqlens when > 0)
 
     @property
-    def lengths(self) -> list[int]:
-        """Lengths of the real sequences (the filler left out)."""
-        lengths = torch.diff(self.cu_seqlens).tolist()
-        return lengths[:-1] if self.padding else lengths
+    def num_sequences(self) -> int:
+        return self.cu_seqlens.numel() - 1 - bool(self.padding)
 
     @property
-    def num_sequences(self) -> int:
-        return self.cu_seqlens.numel() - 1 - (1 if self.padding else 0)
+    def lengths(self) -> list[int]:
+        """Lengths of the real sequences (the filler left out)."""
+        return torch.diff(self.cu_seqlens).tolist()[:self.num_sequences]
 
     def unpack(self, packed: Tensor) -> list[Tensor]:
         """Split ``packed`` (1, T, ...) into one (1, L_s, ...) view per sequence, in packing order
@@ -60,8 +59,7 @@ class PackedBatch:
         if packed.dim() < 2 or packed.shape[0] != 1 or packed.shape[1] != total:
             raise ValueError(f"unpack expects a (1, {total}, ...) tensor (batch 1, the packed length), "
                              f"got {tuple(packed.shape)}")
-        pieces = torch.split(packed, torch.diff(self.cu_seqlens).tolist(), dim=1)
-        return list(pieces[:-1] if self.padding else pieces)
+        return list(torch.split(packed, torch.diff(self.cu_seqlens).tolist(), dim=1))[:self.num_sequences]
 
     def to(self, device) -> "PackedBatch":
         return PackedBatch(self.input_ids.to(device), self.cu_seqlens.to(device), self.position_ids.to(device),

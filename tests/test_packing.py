@@ -306,6 +306,8 @@ def _check_packed_equals_each_sequence_alone(family, model, unpacked, packed, fr
                                              pad_to_multiple_of=1):
     chunk = getattr(model.config, "chunk_size", 16)  # Mamba-2 / Zamba2 chunk edge; 16 elsewhere
     lengths = random_lengths(random.Random(fresh_seed), chunk)
+    if pad_to_multiple_of > 1 and sum(lengths) % pad_to_multiple_of == 0:
+        lengths.append(1)  # so that the row does get a filler
     # A generator of our own: the global RNG's state here depends on which caches earlier tests
     # filled (capturing draws from it), and then the printed seed would not replay the failure.
     gen = torch.Generator().manual_seed(fresh_seed)
@@ -313,6 +315,7 @@ def _check_packed_equals_each_sequence_alone(family, model, unpacked, packed, fr
     pad_id = int(torch.randint(0, model.config.vocab_size, (), generator=gen))
     batch = pack(sequences, pad_to_multiple_of=pad_to_multiple_of, pad_id=pad_id)
     loss_weights = torch.randn(1, batch.input_ids.shape[1], model.config.vocab_size, generator=gen).to(device)
+    assert (batch.padding > 0) == (pad_to_multiple_of > 1)
     loss_weights[:, batch.input_ids.shape[1] - batch.padding:] = 0  # the filler predicts nothing
 
     packed_weights = _with_fresh_leaves(packed)

@@ -14,8 +14,7 @@ channels x 4 tokens of one state index, and the 16 state indices sit on 16 lanes
 over channels (dB, dC) are then in the thread plus one shuffle, and the sums over state
 indices (du, ddelta, y for dz) cost four shuffle rounds each, yet little in all (dropping the y
 sum saved 8 of pass B's 342 shuffles per tile under triton 3.6, measured while the adjoint still
-scanned in reverse). A reverse
-``tl.associative_scan`` would cost 220 more; see ``_adjoint`` and
+scanned in reverse). A reverse ``tl.associative_scan`` would cost 220 more; see ``_adjoint`` and
 benchmarks/results/kernels/README.md.
 
 Per checkpoint chunk (walked from last to first):
