@@ -1,6 +1,6 @@
 """Benchmark of the Triton selective-scan kernels (ssmshard.kernels.selective_scan) on one GPU.
 
-    python benchmarks/bench_selective_scan.py [--out FILE] [--sweep] [--sweep-sequential] [--no-mamba]
+    python benchmarks/bench_selective_scan.py [--out FILE] [--graphs] [--profile] [--sweep] [--sweep-sequential] [--no-mamba]
 
 1. Correctness at full size: the bf16 kernel against the fp32 torch reference
    (ssmshard.kernels.reference.selective_scan) on the same rounded inputs; gradients at a
@@ -38,6 +38,8 @@ import triton  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from ssmshard.kernels import reference  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from profiling import profile_kernels, summary  # noqa: E402
 from ssmshard.kernels.selective_scan import ScanConfig, default_config, selective_scan  # noqa: E402
 from ssmshard.kernels.state_update import selective_state_update  # noqa: E402
 
@@ -163,8 +165,24 @@ def check_correctness(device, smoke, results):
     results["correctness"]["backward"] = {"shape": [b, d, l, N_STATE], "rel_err": errs}
 
 
+def launch_config(b, d, l, device, fwd_block_d=None, packed=False):
+    """The default config, with the forward tile's channel count replaced where asked."""
+    cfg = default_config(b, d, l, device, packed)
+    return cfg if fwd_block_d is None else ScanConfig(**{**cfg.__dict__, "par_block_d": fwd_block_d})
+
+
 def time_scan(fn_fwd, fn_fwd_bwd, bench):
     return bench(fn_fwd), bench(fn_fwd_bwd)
+
+
+def graph_time(fn):
+    """Median of ``fn`` replayed from a CUDA graph: the GPU's time without the host's launch
+    overhead (``--graphs``), or None where capture fails."""
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+    except Exception as exc:  # a host sync or an uncapturable op: report, do not guess
+        print(f"note: CUDA graph capture failed ({type(exc).__name__}: {exc})")
+        return None
 
 
 def ours(x, cfg=None, cu_seqlens=None):
@@ -353,6 +371,13 @@ def main():
     parser.add_argument("--sweep-segments", action="store_true",
                         help="also time segment counts with the forward tiles and backward caps left by --sweep-registers "
                              "(every shape and the packed row)")
+    parser.add_argument("--fwd-block-d", type=int, default=None,
+                        help="channels per forward tile in place of the default's (every row; for A/B runs)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also record each forward's kernels (torch.profiler: device ms per call, ours and the peer's)")
+    parser.add_argument("--graphs", action="store_true",
+                        help="also time each forward replayed from a CUDA graph (ours and the peer's: GPU time without "
+                             "host launch overhead)")
     parser.add_argument("--only-sweeps", action="store_true", help="time only the two headline shapes (with the sweeps asked for)")
     parser.add_argument("--no-mamba", action="store_true", help="skip the mamba_ssm comparison")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter")
@@ -382,7 +407,7 @@ def main():
     rows = []
     for b, d, l in shapes[:2] if args.only_sweeps else shapes:
         x = make_inputs(b, d, l, N_STATE, device)
-        cfg = default_config(b, d, l, device)
+        cfg = launch_config(b, d, l, device, args.fwd_block_d)
         f, fb = ours(x, cfg)
         row = {"shape": f"B={b} d={d} L={l} N={N_STATE}", "config": cfg.__dict__}
         row["ours_fwd_ms"], row["ours_fwd_bwd_ms"] = time_scan(f, fb, bench)
@@ -392,6 +417,19 @@ def main():
         if scan_fn is not None:
             f2, fb2 = theirs(x, scan_fn)
             row["mamba_fwd_ms"], row["mamba_fwd_bwd_ms"] = time_scan(f2, fb2, bench)
+        if args.profile and not args.smoke:
+            row["ours_fwd_kernels"] = profile_kernels(f)
+            if scan_fn is not None:
+                row["mamba_fwd_kernels"] = profile_kernels(f2)
+            for who in ("ours", "mamba"):
+                if f"{who}_fwd_kernels" in row:
+                    print(f"    {row['shape']} {who} forward kernels: {summary(row[f'{who}_fwd_kernels'])}", flush=True)
+        if args.graphs and not args.smoke:
+            row["ours_fwd_graph_ms"] = graph_time(f)
+            if scan_fn is not None:
+                row["mamba_fwd_graph_ms"] = graph_time(f2)
+            print(f"    {row['shape']}: forward from a CUDA graph, ours {row['ours_fwd_graph_ms']} ms, "
+                  f"peer {row.get('mamba_fwd_graph_ms')} ms", flush=True)
         # Sweeps on the two headline shapes only (compiles dominate: ~11 configs each).
         if args.sweep and (b, d, l) in shapes[:2]:
             t_sweep = time.time()
@@ -416,7 +454,7 @@ def main():
     lengths = log_uniform_lengths(packed_total, packed_lo, packed_hi)
     cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=device)
     x = make_inputs(1, D_MODEL if not args.smoke else 64, packed_total, N_STATE, device)
-    cfg = default_config(1, x["u"].shape[1], packed_total, device)
+    cfg = launch_config(1, x["u"].shape[1], packed_total, device, args.fwd_block_d, packed=True)
     f, fb = ours(x, cfg, cu_seqlens=cu)
     row = {"shape": f"packed {len(lengths)} seqs ({min(lengths)}..{max(lengths)}) d={x['u'].shape[1]} "
                     f"L={packed_total} N={N_STATE}", "config": cfg.__dict__}

@@ -12,7 +12,7 @@ forward + backward, mamba_ssm's mamba_chunk_scan_combined side by side when it i
 achieved bandwidth (unique input + output bytes / time, against a measured device copy)
 and FLOP rate (the SSD algorithm's useful FLOPs / time).
 
-    python benchmarks/bench_ssd_scan.py [--out results.json] [--z] [--quick] [--no-autotune] [--no-mamba]
+    python benchmarks/bench_ssd_scan.py [--out results.json] [--z] [--quick] [--no-autotune] [--no-mamba] [--profile]
 
 JSON goes to --out, else $OUT/bench_ssd_scan.json when $OUT is set. A short table is
 printed last.
@@ -31,6 +31,9 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from profiling import profile_kernels, summary  # noqa: E402
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 HEADS, HEADDIM, GROUPS, DSTATE, CHUNK = 80, 64, 1, 128, 256
@@ -44,6 +47,8 @@ def parse_args():
     parser.add_argument("--quick", action="store_true", help="only B=8 x 2048 and the packed case")
     parser.add_argument("--no-autotune", action="store_true", help="run each kernel's first config")
     parser.add_argument("--no-mamba", action="store_true", help="skip mamba_ssm even if it imports")
+    parser.add_argument("--profile", action="store_true",
+                        help="also record each forward's kernels (torch.profiler: device ms per call, ours and the peer's)")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
 
@@ -166,6 +171,9 @@ def bench_case(name, b, l, lengths, args, device, mamba_fn):
         result["ours_fwd_ms"] = do_bench(ours_fwd, return_mode="median")
     result["ours_fwd_bwd_ms"] = do_bench(ours_fwd_bwd, grad_to_none=grad_leaves, return_mode="median")
     result["autotuned_configs"] = chosen_configs()
+    if args.profile:
+        with torch.no_grad():
+            result["ours_fwd_kernels"] = profile_kernels(ours_fwd)
 
     if mamba_fn is not None:
         def mamba_fwd():
@@ -181,6 +189,9 @@ def bench_case(name, b, l, lengths, args, device, mamba_fn):
             result["mamba_vs_ours_out_err"] = rel_err(mamba_fwd(), ours_out)
             result["mamba_fwd_ms"] = do_bench(mamba_fwd, return_mode="median")
         result["mamba_fwd_bwd_ms"] = do_bench(mamba_fwd_bwd, grad_to_none=grad_leaves, return_mode="median")
+        if args.profile:
+            with torch.no_grad():
+                result["mamba_fwd_kernels"] = profile_kernels(mamba_fwd)
         result["fwd_speedup_vs_mamba"] = result["mamba_fwd_ms"] / result["ours_fwd_ms"]
         result["fwd_bwd_speedup_vs_mamba"] = result["mamba_fwd_bwd_ms"] / result["ours_fwd_bwd_ms"]
 
@@ -271,6 +282,10 @@ def main():
               f"{fmt(mfb, '10.3f'):>10}{fmt(r.get('fwd_speedup_vs_mamba'), '7.2f'):>7}"
               f"{fmt(r.get('fwd_bwd_speedup_vs_mamba'), '7.2f'):>7}{r['ours_fwd_GBps']:>9.0f}"
               f"{r['ours_fwd_TFLOPs']:>9.1f}{r['errors']['out']:>9.1e}")
+    for r in report["cases"]:
+        for who in ("ours", "mamba"):
+            if f"{who}_fwd_kernels" in r:
+                print(f"{r['case']} {who} forward kernels: {summary(r[f'{who}_fwd_kernels'], 6)}")
 
 
 if __name__ == "__main__":

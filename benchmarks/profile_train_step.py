@@ -22,23 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import train_packed as tp  # noqa: E402
-
-
-def kernel_table(prof) -> list[dict]:
-    """CUDA kernels by name: calls and device time (ms), largest first."""
-    rows = {}
-    for event in prof.key_averages():
-        if event.device_type != torch.autograd.DeviceType.CUDA or event.self_device_time_total <= 0:
-            continue  # CPU-side ops; the kernels they launched are rows of their own
-        rows[event.key] = {"kernel": event.key, "calls": event.count, "ms": event.self_device_time_total / 1e3}
-    if not rows:  # a profiler build that files kernels under their CPU ops: take those
-        rows = {e.key: {"kernel": e.key, "calls": e.count, "ms": e.self_device_time_total / 1e3}
-                for e in prof.key_averages() if e.self_device_time_total > 0}
-    table = sorted(rows.values(), key=lambda r: -r["ms"])
-    total = sum(r["ms"] for r in table) or 1.0
-    for r in table:
-        r["share"] = r["ms"] / total
-    return table
+from profiling import kernel_table  # noqa: E402
 
 
 def profile_mode(name: str, mode: str, args, device) -> dict:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from ssmshard import ops  # noqa: F401  (registers torch.ops.ssmshard)
 from ssmshard.kernels import reference
-from ssmshard.kernels.selective_scan import ScanConfig, _segments, selective_scan, selective_scan_as_op
+from ssmshard.kernels.selective_scan import ScanConfig, _segments, default_config, selective_scan, selective_scan_as_op
 from ssmshard.kernels.state_update import selective_state_update
 from test_ops import seq_state_update  # float64 decode-step loop, Mamba-2 layout, head by head
 
@@ -292,6 +292,26 @@ def test_no_grad_path_and_default_config(fresh_seed):
         y = selective_scan(*(args[k] for k in NAMES[:8]), softplus, initial_state=args["initial_state"])
     y_ref, _ = seq_selective_scan(*(inputs[k].double() if inputs[k] is not None else None for k in NAMES[:8]),
                                   softplus, inputs["initial_state"].double(), None)
+    assert rel_err(y, y_ref) <= FP32_TOL
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_default_config_on_a_split_row(fresh_seed, packed):
+    # A row long enough for default_config to split it into segments: one sequence gets
+    # 16-channel forward tiles, a packed row 32 (each won its shape on an H200). The default's
+    # no-grad output must match the float64 loop either way.
+    b, d, l, n = 1, 16, 512, 4
+    offsets = [0, 200, 201, 512] if packed else None
+    cfg = default_config(b, d, l, torch.device(DEVICE), packed=packed)
+    assert cfg.segments > 1 and cfg.par_block_d == (32 if packed else 16)
+    inputs, softplus = make_scan_inputs(b, d, l, n, num_init=3 if packed else 1)
+    args = {k: (v.to(DEVICE) if v is not None else None) for k, v in inputs.items()}
+    cu = torch.tensor(offsets, dtype=torch.int32, device=DEVICE) if packed else None
+    with torch.no_grad():
+        y = selective_scan(*(args[k] for k in NAMES[:8]), softplus, cu_seqlens=cu, initial_state=args["initial_state"],
+                           out_dtype=torch.float32)
+    y_ref, _ = seq_selective_scan(*(inputs[k].double() if inputs[k] is not None else None for k in NAMES[:8]),
+                                  softplus, inputs["initial_state"].double(), offsets)
     assert rel_err(y, y_ref) <= FP32_TOL
 
 

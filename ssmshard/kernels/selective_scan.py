@@ -139,7 +139,7 @@ _MIN_SEGMENT_TOKENS = 256
 _SPLIT_BWD_MAXNREG = 168
 
 
-def default_config(b: int, d: int, l: int, device: torch.device) -> ScanConfig:
+def default_config(b: int, d: int, l: int, device: torch.device, packed: bool = False) -> ScanConfig:
     """The parallel forward runs 32 channels per warp: b * d / 32 warps. With fewer than 8 per
     SM the sequence is split into segments to make up the difference; the backward uses the
     same segments, with its registers capped at 168 (227 uncapped: 12 resident warps per SM
@@ -154,13 +154,17 @@ def default_config(b: int, d: int, l: int, device: torch.device) -> ScanConfig:
       took forward+backward from 10.94 ms (7 segments, uncapped) to 9.03 ms and the forward
       from 2.24 to 1.55 ms; on a packed row of 16384 tokens 11.56 -> 9.53 ms; at L=8192
       5.29 -> 4.61 ms. At B=8 L=2048 the cap alone slowed it (8.46 -> 9.05 ms), and splits
-      between 2 and 7 warps per SM were not measured."""
+      between 2 and 7 warps per SM were not measured.
+    - forward tile on split rows (eighth session): 16 channels where the row is one sequence
+      (B=1 d=5120, CUDA-graph medians: L=2048 0.266 -> 0.250 ms, 16384 1.550 -> 1.505 ms), 32
+      on packed rows (16 took the 16384-token row from 1.703 to 1.966 ms)."""
     warps = b * triton.cdiv(d, 32)
     sms = _sm_count(device)
     segments = 1
     if warps < _FWD_WARPS_PER_SM * sms:
         segments = max(1, min(triton.cdiv(_SPLIT_WARPS_PER_SM * sms, warps), l // _MIN_SEGMENT_TOKENS))
-    return ScanConfig(segments=segments, fwd_variant="parallel", par_block_d=32, par_tokens=4, par_warps=1,
+    fwd_block_d = 16 if segments > 1 and not packed else 32
+    return ScanConfig(segments=segments, fwd_variant="parallel", par_block_d=fwd_block_d, par_tokens=4, par_warps=1,
                       bwd_variant="parallel", bwd_block_d=8, bwd_tokens=4, bwd_warps=1,
                       bwd_maxnreg=_SPLIT_BWD_MAXNREG if segments > 1 else None)
 
@@ -598,7 +602,7 @@ def selective_scan(
     not a multiple of 16, y and the gradients of u, delta and z are views into rows padded to
     one (the kernels' aligned rows), not contiguous tensors.
     """
-    cfg = config or default_config(u.shape[0], u.shape[1], u.shape[-1], u.device)
+    cfg = config or default_config(u.shape[0], u.shape[1], u.shape[-1], u.device, packed=cu_seqlens is not None)
     tensors = (u, delta, A, B, C, D, z, delta_bias, initial_state)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         return _SelectiveScanFn.apply(u, delta, A, B, C, D, z, delta_bias, initial_state,
