@@ -22,17 +22,6 @@ if [ "${1:-tests}" = tests ]; then
   done
   wait
   for f in kernel_selective_scan kernel_ssd_scan kernel_causal_conv1d packing swap_kernels; do echo "$f: $(grep -c "PASSED" "$OUT/tests_$f.log") passed, $(grep -c "FAILED" "$OUT/tests_$f.log") failed"; done
-elif [ "$1" = build ]; then
-  # The peers alone (over 5 minutes on 16 cores), packed into $OUT for later calls to carry
-  # (.peers/, see `peers`); the GPU tests run niced beside it on what the build leaves idle.
-  for f in kernel_selective_scan kernel_ssd_scan kernel_causal_conv1d packing swap_kernels; do
-    nice -n 19 timeout 560 python3 -m pytest "tests/test_$f.py" -rA -p no:logging -p no:cacheprovider > "$OUT/tests_$f.log" 2>&1 &
-  done
-  MAX_JOBS=16 timeout 520 bash benchmarks/build_peers.sh > "$OUT/build_peers.log" 2>&1 \
-    && tar cf - -C /tmp peers | xz -T16 -6 | split -b 15m -d - "$OUT/peers.tar.xz.part"
-  ls -l "$OUT"; tail -4 "$OUT/build_peers.log"
-  wait
-  for f in kernel_selective_scan kernel_ssd_scan kernel_causal_conv1d packing swap_kernels; do echo "$f: $(grep -c "PASSED" "$OUT/tests_$f.log") passed, $(grep -c "FAILED" "$OUT/tests_$f.log") failed"; done
 elif [ "$1" = peers ]; then
   # Every kernel beside its peer: the Mamba-1 scan (with CUDA-graph forwards), SSD and the conv.
   # The peers come unpacked from .peers/ when an earlier call left them there (carry .peers),

@@ -156,8 +156,9 @@ def default_config(b: int, d: int, l: int, device: torch.device, packed: bool = 
       5.29 -> 4.61 ms. At B=8 L=2048 the cap alone slowed it (8.46 -> 9.05 ms), and splits
       between 2 and 7 warps per SM were not measured.
     - forward tile on split rows (eighth session): 16 channels where the row is one sequence
-      (B=1 d=5120, CUDA-graph medians: L=2048 0.266 -> 0.250 ms, 16384 1.550 -> 1.505 ms), 32
-      on packed rows (16 took the 16384-token row from 1.703 to 1.966 ms)."""
+      (B=1 d=5120, one run, CUDA-graph medians: L=2048 0.265 -> 0.250 ms, 16384 1.543 ->
+      1.497 ms), 32 on packed rows (16 took the 16384-token row from 1.703 to 1.966 ms, in a
+      run that shared its host with a compile)."""
     warps = b * triton.cdiv(d, 32)
     sms = _sm_count(device)
     segments = 1
