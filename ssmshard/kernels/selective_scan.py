@@ -140,8 +140,9 @@ _SPLIT_BWD_MAXNREG = 168
 
 
 def default_config(b: int, d: int, l: int, device: torch.device, packed: bool = False) -> ScanConfig:
-    """The parallel forward runs 32 channels per warp: b * d / 32 warps. With fewer than 8 per
-    SM the sequence is split into segments to make up the difference; the backward uses the
+    """Counted at 32 channels per warp, the parallel forward runs b * d / 32 warps. With fewer
+    than 8 per SM the sequence is split into segments to make up the difference (and a
+    one-sequence row gets 16-channel tiles, see below); the backward uses the
     same segments, with its registers capped at 168 (227 uncapped: 12 resident warps per SM
     instead of 8; no spills in its loops).
 
