@@ -13,6 +13,7 @@ achieved bandwidth (unique input + output bytes / time, against a measured devic
 and FLOP rate (the SSD algorithm's useful FLOPs / time).
 
     python benchmarks/bench_ssd_scan.py [--out results.json] [--z] [--quick] [--no-autotune] [--no-mamba] [--profile]
+                                        [--cb-min-heads N]
 
 JSON goes to --out, else $OUT/bench_ssd_scan.json when $OUT is set. A short table is
 printed last.
@@ -49,6 +50,9 @@ def parse_args():
     parser.add_argument("--no-mamba", action="store_true", help="skip mamba_ssm even if it imports")
     parser.add_argument("--profile", action="store_true",
                         help="also record each forward's kernels (torch.profiler: device ms per call, ours and the peer's)")
+    parser.add_argument("--cb-min-heads", type=int, default=None,
+                        help="store C.B once per group when at least this many heads share one "
+                             "(default: the library's CB_STORED_MIN_HEADS_PER_GROUP; a large value computes it per head)")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
 
@@ -231,6 +235,10 @@ def main():
         sys.exit("bench_ssd_scan.py needs a CUDA GPU")
     import triton
 
+    from ssmshard.kernels import ssd_scan_fwd
+
+    if args.cb_min_heads is not None:
+        ssd_scan_fwd.CB_STORED_MIN_HEADS_PER_GROUP = args.cb_min_heads
     device = "cuda"
     torch.manual_seed(args.seed)
     generator = torch.Generator().manual_seed(args.seed)
@@ -253,6 +261,7 @@ def main():
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "shapes": {"heads": HEADS, "headdim": HEADDIM, "groups": GROUPS, "dstate": DSTATE, "chunk": CHUNK},
         "dtype": "bfloat16", "mamba_ssm": mamba_note, "packed_lengths": lengths,
+        "cb_stored_min_heads_per_group": ssd_scan_fwd.CB_STORED_MIN_HEADS_PER_GROUP,
         "copy_GBps": copy_bandwidth_GBps(device), "cases": [],
     }
     out_path = args.out or (os.path.join(os.environ["OUT"], "bench_ssd_scan.json") if os.environ.get("OUT") else None)

@@ -38,7 +38,7 @@ HEADS, HEADDIM, DSTATE, CHUNK, GROUPS, TOKENS = 80, 64, 128, 256, 1, 16384
 # Integer arguments at B=8 x L=2048 (contiguous inputs); used only for specialisation.
 INT_ARGS = dict(
     n_tokens=TOKENS, n_slots=TOKENS // CHUNK, n_seqs=8, heads_per_group=HEADS // GROUPS, headdim=HEADDIM,
-    dstate=DSTATE, chunk_size=CHUNK, tune_bucket=13, n_heads=HEADS, heads_per_split=20, ds_slots=DSTATE // 16,
+    dstate=DSTATE, chunk_size=CHUNK, cb_row=CHUNK, tune_bucket=13, n_heads=HEADS, heads_per_split=20, ds_slots=DSTATE // 16,
     stride_dt_t=HEADS, stride_dt_h=1,
     **{f"stride_{t}_t": HEADS * HEADDIM for t in ("x", "z", "out", "dout", "dy")},
     **{f"stride_{t}_h": HEADDIM for t in ("x", "z", "out", "dout", "dy")},
@@ -49,12 +49,13 @@ INT_ARGS = dict(
 )
 FP32_BUFFERS = {"dtd_ptr", "cs_ptr", "final_ptr", "init_ptr", "A_ptr", "D_ptr", "dt_bias_ptr", "ddt_direct_ptr",
                 "dB_part_ptr", "dC_part_ptr", "dcs_row_ptr", "ds_part_ptr", "dD_part_ptr", "dinit_ptr",
-                "dfinal_ptr", "ds_ptr", "dA_part_ptr", "dbias_part_ptr"}
+                "dfinal_ptr", "ds_ptr", "dA_part_ptr", "dbias_part_ptr", "cb_ptr"}
 INT32_BUFFERS = {"chunk_start_ptr", "chunk_len_ptr", "seq_first_chunk_ptr", "cu_seqlens_ptr"}
 # Every optional input present: the largest variant of each kernel.
 FLAGS = {
     "ssd_chunk_states_kernel": {"HAS_INIT": True},
-    "ssd_chunk_output_kernel": {"HAS_D": True, "D_PER_P": False, "HAS_Z": True, "STORE_YPRE": True},
+    # C.B stored once per group: the path taken at these sizes (80 heads share one group).
+    "ssd_chunk_output_kernel": {"HAS_D": True, "D_PER_P": False, "HAS_Z": True, "STORE_YPRE": True, "CB_STORED": True},
     "ssd_state_grads_kernel": {"HAS_Z": True, "HAS_D": True, "HAS_INIT": True, "HAS_DFINAL": True},
     "ssd_dx_dB_kernel": {"HAS_D": True, "D_PER_P": False},
     "ssd_dC_kernel": {},
@@ -104,10 +105,13 @@ def kernel_configs(first_only):
     yield "dt_cumsum", ssd_scan_fwd.ssd_dt_cumsum_kernel, {**dt_flags, **chunk}, 4, 2
     yield "dt_grads", ssd_scan_bwd.ssd_dt_grads_kernel, {**dt_flags, **chunk}, 4, 2
     blocks = {"BLOCK_P": triton.next_power_of_2(HEADDIM), "BLOCK_N": triton.next_power_of_2(DSTATE)}
+    yield ("chunk_cb", ssd_scan_fwd.ssd_chunk_cb_kernel,
+           {"BLOCK_M": ssd_scan_fwd._CB_BLOCK, "BLOCK_N": blocks["BLOCK_N"]}, 4, 2)
     for tunable in (ssd_scan_fwd.chunk_states, ssd_scan_fwd.chunk_output, ssd_scan_bwd.state_grads,
                     ssd_scan_bwd.dx_dB, ssd_scan_bwd.dC):
         fn = tunable.fn
-        configs = tunable._prune(tunable.configs, {}, headdim=HEADDIM, dstate=DSTATE, chunk_size=CHUNK)
+        configs = tunable._prune(tunable.configs, {}, headdim=HEADDIM, dstate=DSTATE, chunk_size=CHUNK,
+                                 heads_per_group=HEADS // GROUPS)
         for config in configs[:1] if first_only else configs:
             fixed = {k: v for k, v in blocks.items() if k in fn.arg_names and k not in config.kwargs}
             yield (f"{fn.__name__} {config.kwargs}", fn, {**FLAGS[fn.__name__], **fixed, **config.kwargs},

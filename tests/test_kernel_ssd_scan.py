@@ -197,12 +197,22 @@ def test_batch_matches_sequential(case, fresh_seed):
     check_against_sequential(inputs, spec["chunk"], spec["options"], FP32_TOL, FP32_GRAD_TOL, final=spec["final"])
 
 
-def test_packed_matches_sequential(fresh_seed):
+@pytest.mark.parametrize("cb_stored", [True, False], ids=["cb_stored", "cb_inline"])
+def test_packed_matches_sequential(cb_stored, fresh_seed, monkeypatch):
+    """Both ways of getting C_i . B_j in the output kernel: stored once per group (heads share
+    a group) and computed per head; the test checks which one ran."""
+    from ssmshard.kernels import ssd_scan_fwd
+
+    calls = []
+    real_run_chunk_cb = ssd_scan_fwd.run_chunk_cb
+    monkeypatch.setattr(ssd_scan_fwd, "CB_STORED_MIN_HEADS_PER_GROUP", 2 if cb_stored else 10**9)
+    monkeypatch.setattr(ssd_scan_fwd, "run_chunk_cb", lambda *a: calls.append(a) or real_run_chunk_cb(*a))
     chunk = 8
     lengths = packed_lengths(chunk)
-    inputs = make_inputs(1, sum(lengths), 2, 8, 1, 16, D="h", init=len(lengths))
+    inputs = make_inputs(1, sum(lengths), 4, 8, 2, 16, D="h", init=len(lengths))
     check_against_sequential(inputs, chunk, dict(dt_softplus=True, dt_limit=(0.0, 5.0)),
                              FP32_TOL, FP32_GRAD_TOL, cu_seqlens=cu_from(lengths))
+    assert bool(calls) == cb_stored
 
 
 def test_packed_equals_each_sequence_alone(fresh_seed):
@@ -327,7 +337,7 @@ def test_every_kernel_config(fresh_seed, monkeypatch):
 
     Run i forces config i (modulo the count) of every tuned kernel. The shape keeps the
     configs' blocks distinct after clamping: blocks of 32 and 64 rows in 64-token chunks,
-    head-dim blocks of 32 and 64.
+    head-dim blocks of 32 and 64; two heads share the group, so C.B is stored once for both.
     """
     from ssmshard.kernels import ssd_scan_bwd, ssd_scan_fwd
     from ssmshard.kernels.ssd_triton_common import FORCE_CONFIG_ENV
@@ -337,6 +347,6 @@ def test_every_kernel_config(fresh_seed, monkeypatch):
     lengths = [64, 1, 45]
     for index in range(max(len(k.configs) for k in tuned)):
         monkeypatch.setenv(FORCE_CONFIG_ENV, str(index))
-        inputs = make_inputs(1, sum(lengths), 1, 64, 1, 64, D="h", init=len(lengths))
+        inputs = make_inputs(1, sum(lengths), 2, 64, 1, 64, D="h", init=len(lengths))
         check_against_sequential(inputs, 64, dict(dt_softplus=True), FP32_TOL, FP32_GRAD_TOL,
                                  cu_seqlens=cu_from(lengths))
