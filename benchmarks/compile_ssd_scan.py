@@ -38,7 +38,8 @@ HEADS, HEADDIM, DSTATE, CHUNK, GROUPS, TOKENS = 80, 64, 128, 256, 1, 16384
 # Integer arguments at B=8 x L=2048 (contiguous inputs); used only for specialisation.
 INT_ARGS = dict(
     n_tokens=TOKENS, n_slots=TOKENS // CHUNK, n_seqs=8, heads_per_group=HEADS // GROUPS, headdim=HEADDIM,
-    dstate=DSTATE, chunk_size=CHUNK, cb_row=CHUNK, tune_bucket=13, n_heads=HEADS, heads_per_split=20, ds_slots=DSTATE // 16,
+    dstate=DSTATE, chunk_size=CHUNK, cb_row=CHUNK, stride_cb_k=GROUPS * CHUNK * CHUNK, stride_cb_g=CHUNK * CHUNK,
+    tune_bucket=13, n_heads=HEADS, heads_per_split=20, ds_slots=DSTATE // 16,
     stride_dt_t=HEADS, stride_dt_h=1,
     **{f"stride_{t}_t": HEADS * HEADDIM for t in ("x", "z", "out", "dout", "dy")},
     **{f"stride_{t}_h": HEADDIM for t in ("x", "z", "out", "dout", "dy")},
@@ -54,8 +55,7 @@ INT32_BUFFERS = {"chunk_start_ptr", "chunk_len_ptr", "seq_first_chunk_ptr", "cu_
 # Every optional input present: the largest variant of each kernel.
 FLAGS = {
     "ssd_chunk_states_kernel": {"HAS_INIT": True},
-    # C.B stored once per group: the path taken at these sizes (80 heads share one group).
-    "ssd_chunk_output_kernel": {"HAS_D": True, "D_PER_P": False, "HAS_Z": True, "STORE_YPRE": True, "CB_STORED": True},
+    "ssd_chunk_output_kernel": {"HAS_D": True, "D_PER_P": False, "HAS_Z": True, "STORE_YPRE": True},
     "ssd_state_grads_kernel": {"HAS_Z": True, "HAS_D": True, "HAS_INIT": True, "HAS_DFINAL": True},
     "ssd_dx_dB_kernel": {"HAS_D": True, "D_PER_P": False},
     "ssd_dC_kernel": {},
@@ -114,8 +114,10 @@ def kernel_configs(first_only):
                                  heads_per_group=HEADS // GROUPS)
         for config in configs[:1] if first_only else configs:
             fixed = {k: v for k, v in blocks.items() if k in fn.arg_names and k not in config.kwargs}
-            yield (f"{fn.__name__} {config.kwargs}", fn, {**FLAGS[fn.__name__], **fixed, **config.kwargs},
-                   config.num_warps, config.num_stages)
+            # The output kernel twice: C.B^T stored once per group, and multiplied per head.
+            for extra in ({"CB_STORED": True}, {"CB_STORED": False}) if fn is ssd_scan_fwd.chunk_output.fn else ({},):
+                yield (f"{fn.__name__} {config.kwargs} {extra or ''}", fn,
+                       {**FLAGS[fn.__name__], **fixed, **config.kwargs, **extra}, config.num_warps, config.num_stages)
 
 
 def main():

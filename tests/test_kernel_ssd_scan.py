@@ -197,16 +197,38 @@ def test_batch_matches_sequential(case, fresh_seed):
     check_against_sequential(inputs, spec["chunk"], spec["options"], FP32_TOL, FP32_GRAD_TOL, final=spec["final"])
 
 
-@pytest.mark.parametrize("cb_stored", [True, False], ids=["cb_stored", "cb_inline"])
-def test_packed_matches_sequential(cb_stored, fresh_seed, monkeypatch):
-    """Both ways of getting C_i . B_j in the output kernel: stored once per group (heads share
-    a group) and computed per head; the test checks which one ran."""
+def route_cb(monkeypatch, stored: bool) -> list:
+    """Make the output kernel read C.B^T stored once per group (or multiply it per head).
+
+    Stored, every entry that ``ssd_chunk_cb_kernel`` leaves unwritten or that no output may
+    use (column j > row i, rows past the chunk's length) is set to NaN, so a kernel that read
+    one into its result fails. Returns the shapes of the stored buffers (empty: not stored).
+    """
     from ssmshard.kernels import ssd_scan_fwd
 
     calls = []
     real_run_chunk_cb = ssd_scan_fwd.run_chunk_cb
-    monkeypatch.setattr(ssd_scan_fwd, "CB_STORED_MIN_HEADS_PER_GROUP", 2 if cb_stored else 10**9)
-    monkeypatch.setattr(ssd_scan_fwd, "run_chunk_cb", lambda *a: calls.append(a) or real_run_chunk_cb(*a))
+
+    def poisoned(B, C, table):
+        cb = real_run_chunk_cb(B, C, table)  # (k, g, T, R)
+        T, R = cb.shape[-2:]
+        above = torch.ones(T, R, dtype=torch.bool, device=cb.device).triu(1)
+        past_end = torch.arange(T, device=cb.device)[None, :] >= table.chunk_len[:, None]  # (k, T)
+        cb.masked_fill_(above, float("nan"))
+        cb.masked_fill_(past_end[:, None, :, None], float("nan"))
+        calls.append(tuple(cb.shape))
+        return cb
+
+    monkeypatch.setattr(ssd_scan_fwd, "CB_STORED_MIN_HEADS_PER_GROUP", 2 if stored else 10**9)
+    monkeypatch.setattr(ssd_scan_fwd, "run_chunk_cb", poisoned)
+    return calls
+
+
+@pytest.mark.parametrize("cb_stored", [True, False], ids=["cb_stored", "cb_inline"])
+def test_packed_matches_sequential(cb_stored, fresh_seed, monkeypatch):
+    """Both ways of getting C_i . B_j in the output kernel: stored once per group (heads share
+    a group) and computed per head; the test checks which one ran."""
+    calls = route_cb(monkeypatch, cb_stored)
     chunk = 8
     lengths = packed_lengths(chunk)
     inputs = make_inputs(1, sum(lengths), 4, 8, 2, 16, D="h", init=len(lengths))
@@ -247,11 +269,14 @@ def test_packed_equals_each_sequence_alone(fresh_seed):
             assert rel_err(summed[name], packed.double()) <= 1e-5, name
 
 
-def test_bf16_packed_matches_sequential(fresh_seed):
+@pytest.mark.parametrize("cb_stored", [True, False], ids=["cb_stored", "cb_inline"])
+def test_bf16_packed_matches_sequential(cb_stored, fresh_seed, monkeypatch):
+    calls = route_cb(monkeypatch, cb_stored)
     chunk = 16
     lengths = packed_lengths(chunk)[:4]
-    inputs = make_inputs(1, sum(lengths), 2, 8, 2, 16, D="hp", init=len(lengths), dtype=torch.bfloat16)
+    inputs = make_inputs(1, sum(lengths), 2, 8, 1, 16, D="hp", init=len(lengths), dtype=torch.bfloat16)
     check_against_sequential(inputs, chunk, dict(dt_softplus=True), BF16_TOL, BF16_TOL, cu_seqlens=cu_from(lengths))
+    assert bool(calls) == cb_stored
 
 
 def test_short_rows_share_a_power_of_two_chunk(monkeypatch):
@@ -332,21 +357,25 @@ def test_rejects_unsupported_inputs():
         ssd_scan(**args, chunk_size=4, initial_states=torch.zeros(3, 4, 4, 8, device=DEVICE))
 
 
-def test_every_kernel_config(fresh_seed, monkeypatch):
+@pytest.mark.parametrize("cb_stored", [True, False], ids=["cb_stored", "cb_inline"])
+def test_every_kernel_config(cb_stored, fresh_seed, monkeypatch):
     """The GPU autotuner may pick any config: each must compute the same function.
 
     Run i forces config i (modulo the count) of every tuned kernel. The shape keeps the
-    configs' blocks distinct after clamping: blocks of 32 and 64 rows in 64-token chunks,
-    head-dim blocks of 32 and 64; two heads share the group, so C.B is stored once for both.
+    configs' blocks distinct after clamping: blocks of 32, 64 and 128 rows in 100-token
+    chunks (no power of two: the stored C.B^T rows are padded to 128), head-dim blocks of 32
+    and 64; two heads share the group, with C.B^T stored once for both or multiplied per head.
     """
     from ssmshard.kernels import ssd_scan_bwd, ssd_scan_fwd
     from ssmshard.kernels.ssd_triton_common import FORCE_CONFIG_ENV
 
     tuned = [ssd_scan_fwd.chunk_states, ssd_scan_fwd.chunk_output, ssd_scan_bwd.state_grads,
              ssd_scan_bwd.dx_dB, ssd_scan_bwd.dC]
-    lengths = [64, 1, 45]
+    calls = route_cb(monkeypatch, cb_stored)
+    lengths = [100, 1, 137, 30]
     for index in range(max(len(k.configs) for k in tuned)):
         monkeypatch.setenv(FORCE_CONFIG_ENV, str(index))
         inputs = make_inputs(1, sum(lengths), 2, 64, 1, 64, D="h", init=len(lengths))
-        check_against_sequential(inputs, 64, dict(dt_softplus=True), FP32_TOL, FP32_GRAD_TOL,
+        check_against_sequential(inputs, 100, dict(dt_softplus=True), FP32_TOL, FP32_GRAD_TOL,
                                  cu_seqlens=cu_from(lengths))
+    assert bool(calls) == cb_stored

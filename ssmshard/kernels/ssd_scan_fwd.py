@@ -130,7 +130,8 @@ def ssd_chunk_states_kernel(
 
 @triton.jit
 def ssd_chunk_cb_kernel(
-    B_ptr, C_ptr, cb_ptr, chunk_start_ptr, chunk_len_ptr, n_slots, dstate, chunk_size, cb_row,
+    B_ptr, C_ptr, cb_ptr, chunk_start_ptr, chunk_len_ptr, n_slots, dstate, chunk_size,
+    stride_cb_k, stride_cb_g, cb_row,
     stride_B_t, stride_B_g, stride_B_n,
     stride_C_t, stride_C_g, stride_C_n,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -138,8 +139,8 @@ def ssd_chunk_cb_kernel(
     """cb[k, g, i, j] = C_i . B_j (fp32) for rows i of one block and every column j up to the
     block's last row, rounded up to BLOCK_M (0 past the chunk's end). Columns past that stay
     unwritten: the output kernel reads whole tiles and zeroes every j > i itself. Rows hold
-    cb_row >= chunk_size columns (a power of two), so whole tiles are stored without a
-    per-column mask, in 16-byte vectors."""
+    cb_row = next_pow2(chunk_size) columns, so whole tiles are stored with a row mask only
+    (a mask that varies along the row likely keeps Triton from storing vectors)."""
     k, tok0, length, row0, offs_i, mask_i = chunk_block(chunk_start_ptr, chunk_len_ptr, n_slots, chunk_size,
                                                         BLOCK_M, False)
     g = tl.program_id(1)
@@ -148,7 +149,7 @@ def ssd_chunk_cb_kernel(
     C_i = load_tile(C_ptr + tok0 * stride_C_t + g * stride_C_g, offs_i, mask_i, stride_C_t, offs_n, mask_n,
                     stride_C_n)
     B_chunk = B_ptr + tok0 * stride_B_t + g * stride_B_g
-    cb_chunk = cb_ptr + (tl.cast(k, tl.int64) * tl.num_programs(1) + g) * chunk_size * cb_row
+    cb_chunk = cb_ptr + tl.cast(k, tl.int64) * stride_cb_k + g * stride_cb_g
     j_end = tl.where(row0 < length, tl.minimum(row0 + BLOCK_M, length), 0)
     for j0 in range(0, j_end, BLOCK_M):
         offs_j = j0 + tl.arange(0, BLOCK_M)
@@ -161,7 +162,8 @@ def ssd_chunk_cb_kernel(
 def ssd_chunk_output_kernel(
     x_ptr, dtd_ptr, cs_ptr, B_ptr, C_ptr, D_ptr, z_ptr, states_ptr, cb_ptr, out_ptr, ypre_ptr,
     chunk_start_ptr, chunk_len_ptr,
-    n_tokens, n_slots, heads_per_group, headdim, dstate, chunk_size, cb_row, tune_bucket,
+    n_tokens, n_slots, heads_per_group, headdim, dstate, chunk_size, tune_bucket,
+    stride_cb_k, stride_cb_g, cb_row,
     stride_x_t, stride_x_h, stride_x_p,
     stride_B_t, stride_B_g, stride_B_n,
     stride_C_t, stride_C_g, stride_C_n,
@@ -192,6 +194,8 @@ def ssd_chunk_output_kernel(
     slot = tl.cast(k, tl.int64) * n_heads + h
     state_in = load_tile(states_ptr + slot * headdim * dstate, offs_p, mask_p_state, dstate,
                          offs_n, mask_n, 1)  # (p, n)
+    if CB_STORED:  # (cb_ptr is None otherwise)
+        cb_chunk = cb_ptr + tl.cast(k, tl.int64) * stride_cb_k + g * stride_cb_g
     # Carried-in state, read out through C and decayed to row i.
     acc = mma(C_i, tl.trans(state_in), tl.zeros((BLOCK_M, BLOCK_P), tl.float32), DOT_PRECISION, UPCAST)
     acc = acc * tl.exp(cs_i)[:, None]
@@ -203,9 +207,10 @@ def ssd_chunk_output_kernel(
         x_j = load_tile(x_chunk, offs_j, mask_j, stride_x_t, offs_p, mask_p, stride_x_p)
         causal = (offs_i[:, None] >= offs_j[None, :]) & mask_j[None, :]
         if CB_STORED:
-            # Whole rows of the tile (a per-column mask would split the load into 4-byte
-            # pieces); columns past the causal part may hold anything, so zero them.
-            cb_chunk = cb_ptr + (tl.cast(k, tl.int64) * (n_heads // heads_per_group) + g) * chunk_size * cb_row
+            # Whole rows of the tile: a mask that varies along the row made the loads 4 bytes
+            # wide, likely (0.673 against 0.514 ms, H200). The tile stays inside the row
+            # because BLOCK_K divides BLOCK_M <= cb_row (``_clamp_output``). Columns past the
+            # causal part may hold anything (unwritten memory), so the select comes first.
             cb = tl.load(cb_chunk + offs_i[:, None] * cb_row + offs_j[None, :], mask=mask_i[:, None], other=0.0)
             cb = tl.where(causal, cb, 0.0)
         else:
@@ -250,6 +255,8 @@ def _clamp_states(kw, args):
 def _clamp_output(kw, args):
     kw["BLOCK_M"] = min(kw["BLOCK_M"], next_pow2(args["chunk_size"]))
     kw["BLOCK_K"] = min(kw["BLOCK_K"], kw["BLOCK_M"])
+    # Powers of two, so BLOCK_K divides BLOCK_M: a stored C.B^T tile never crosses its row.
+    assert kw["BLOCK_M"] % kw["BLOCK_K"] == 0, kw
     return kw
 
 
@@ -284,9 +291,13 @@ chunk_output = TunableKernel(
 # Store C_i . B_j once per group (ssd_chunk_cb_kernel) when at least this many heads share
 # a group; with one head per group the product would only make a float32 round trip. At 80
 # heads per group (Mamba2-2.7B, B=8 x 2048, H200) the output kernel went from 0.588 ms
-# (computed per head) to 0.513 ms; counts between 2 and 80 were not measured. The buffer
-# holds chunk_size^2 floats per (chunk, group): 16 MiB at B=8 x 2048, one group, chunk 256.
+# (computed per head, one call) to 0.514 ms (another call); counts between 2 and 80 were not
+# timed. The buffer holds chunk_size * next_pow2(chunk_size) floats per (chunk, group):
+# 16 MiB at B=8 x 2048, one group, chunk 256, i.e. 8 / heads_per_group times x's bytes at
+# head dim 64 (bf16), so 4x x at the threshold.
 CB_STORED_MIN_HEADS_PER_GROUP = 2
+# Rows and columns per C.B^T tile: (64 x n) C and B tiles fit the tensor cores with no spill
+# at n = 128 (benchmarks/compile_ssd_scan.py); the kernel takes about 1% of the forward.
 _CB_BLOCK = 64
 
 
@@ -344,7 +355,7 @@ def run_chunk_cb(B, C, table: ChunkTable):
     chunk_start, chunk_len, _ = table.tensors()
     block = min(_CB_BLOCK, next_pow2(T))
     ssd_chunk_cb_kernel[(table.n_slots * triton.cdiv(T, block), g)](
-        B, C, cb, chunk_start, chunk_len, table.n_slots, n, T, cb.stride(2),
+        B, C, cb, chunk_start, chunk_len, table.n_slots, n, T, cb.stride(0), cb.stride(1), cb.stride(2),
         B.stride(0), B.stride(1), B.stride(2), C.stride(0), C.stride(1), C.stride(2),
         BLOCK_M=block, BLOCK_N=next_pow2(n), num_warps=4, **dot_modes(B.dtype),
     )
@@ -360,12 +371,14 @@ def run_chunk_output(x, dtd, cs, B, C, D, z, states, table: ChunkTable, out_dtyp
     chunk_start, chunk_len, _ = table.tensors()
     zs = z.stride() if z is not None else (0, 0, 0)
     cb = run_chunk_cb(B, C, table) if h // g >= CB_STORED_MIN_HEADS_PER_GROUP else None
+    cb_strides = cb.stride()[:3] if cb is not None else (0, 0, 0)
     chunk_output(
         lambda meta: (table.n_slots * triton.cdiv(table.chunk_size, meta["BLOCK_M"]), h),
         x_ptr=x, dtd_ptr=dtd, cs_ptr=cs, B_ptr=B, C_ptr=C, D_ptr=D, z_ptr=z, states_ptr=states, cb_ptr=cb,
         out_ptr=out, ypre_ptr=ypre, chunk_start_ptr=chunk_start, chunk_len_ptr=chunk_len,
         n_tokens=n_tok, n_slots=table.n_slots, heads_per_group=h // g, headdim=p, dstate=n, chunk_size=table.chunk_size,
-        cb_row=cb.stride(2) if cb is not None else 0, tune_bucket=_tune_bucket(table.n_slots * h),
+        tune_bucket=_tune_bucket(table.n_slots * h),
+        stride_cb_k=cb_strides[0], stride_cb_g=cb_strides[1], cb_row=cb_strides[2],
         stride_x_t=x.stride(0), stride_x_h=x.stride(1), stride_x_p=x.stride(2),
         stride_B_t=B.stride(0), stride_B_g=B.stride(1), stride_B_n=B.stride(2),
         stride_C_t=C.stride(0), stride_C_g=C.stride(1), stride_C_n=C.stride(2),
