@@ -60,6 +60,9 @@ FLAGS = {
     "ssd_dx_dB_kernel": {"HAS_D": True, "D_PER_P": False},
     "ssd_dC_kernel": {},
 }
+# Kernels compiled once per variant: the output kernel with C.B^T stored once per group, and
+# multiplied per head.
+VARIANTS = {"ssd_chunk_output_kernel": ({"CB_STORED": True}, {"CB_STORED": False})}
 
 
 def signature(fn, constexprs, dtype):
@@ -114,10 +117,9 @@ def kernel_configs(first_only):
                                  heads_per_group=HEADS // GROUPS)
         for config in configs[:1] if first_only else configs:
             fixed = {k: v for k, v in blocks.items() if k in fn.arg_names and k not in config.kwargs}
-            # The output kernel twice: C.B^T stored once per group, and multiplied per head.
-            for extra in ({"CB_STORED": True}, {"CB_STORED": False}) if fn is ssd_scan_fwd.chunk_output.fn else ({},):
-                yield (f"{fn.__name__} {config.kwargs} {extra or ''}", fn,
-                       {**FLAGS[fn.__name__], **fixed, **config.kwargs, **extra}, config.num_warps, config.num_stages)
+            for variant in VARIANTS.get(fn.__name__, ({},)):
+                yield (f"{fn.__name__} {config.kwargs} {variant or ''}", fn,
+                       {**FLAGS[fn.__name__], **fixed, **config.kwargs, **variant}, config.num_warps, config.num_stages)
 
 
 def main():
