@@ -266,12 +266,18 @@ class ChunkTable:
     chunk_start / chunk_len: (n_slots,) int32; seq_first_chunk: (S + 1,) int32, sequence s
     owns slots [seq_first_chunk[s], seq_first_chunk[s + 1]). n_slots is an upper bound on
     the chunk count (slots past the end have length 0), so no value needs to reach the host.
+    A caller that knows the exact count (rows of one length) passes it as ``n_chunks``: every
+    kernel launches programs per slot, and empty slots would be launched for nothing.
+    ``aligned``: every chunk starts at a multiple of chunk_size tokens (rows of one length
+    that is a multiple of it), which kernels may use as an alignment hint.
     """
 
-    def __init__(self, cu_seqlens: torch.Tensor, n_tokens: int, chunk_size: int):
+    def __init__(self, cu_seqlens: torch.Tensor, n_tokens: int, chunk_size: int, n_chunks: int | None = None,
+                 aligned: bool = False):
         n_seqs = cu_seqlens.numel() - 1
+        self.aligned = aligned
         # sum ceil(len_s / T) <= (n_tokens + n_seqs * (T - 1)) // T
-        self.n_slots = max(1, (n_tokens + n_seqs * (chunk_size - 1)) // chunk_size)
+        self.n_slots = max(1, (n_tokens + n_seqs * (chunk_size - 1)) // chunk_size if n_chunks is None else n_chunks)
         self.n_seqs = n_seqs
         self.chunk_size = chunk_size
         device = cu_seqlens.device
