@@ -60,9 +60,10 @@ FLAGS = {
     "ssd_dx_dB_kernel": {"HAS_D": True, "D_PER_P": False},
     "ssd_dC_kernel": {},
 }
-# Kernels compiled once per variant: the output kernel with C.B^T stored once per group (chunks
-# aligned to the chunk size, as rows of one length give, or not), and multiplied per head.
-VARIANTS = {"ssd_chunk_output_kernel": ({"CB_STORED": True, "CHUNKS_ALIGNED": True},
+# Kernels compiled once per variant: chunks aligned to the chunk size (as rows of one length
+# give) or not, and the output kernel with C.B^T stored once per group or multiplied per head.
+VARIANTS = {"ssd_chunk_states_kernel": ({"CHUNKS_ALIGNED": True}, {"CHUNKS_ALIGNED": False}),
+            "ssd_chunk_output_kernel": ({"CB_STORED": True, "CHUNKS_ALIGNED": True},
                                         {"CB_STORED": True, "CHUNKS_ALIGNED": False},
                                         {"CB_STORED": False, "CHUNKS_ALIGNED": False})}
 

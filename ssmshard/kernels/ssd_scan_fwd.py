@@ -40,7 +40,7 @@ from ssmshard.kernels.ssd_triton_common import (
     TunableKernel,
     chunk_block,
     dot_modes,
-    load_block_decay,
+    load_chunk_decay,
     load_chunk_dt,
     load_tile,
     mma,
@@ -74,13 +74,13 @@ def ssd_chunk_states_kernel(
     n_tokens, heads_per_group, headdim, dstate, chunk_size, tune_bucket,
     stride_x_t, stride_x_h, stride_x_p,
     stride_B_t, stride_B_g, stride_B_n,
-    HAS_INIT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_INIT: tl.constexpr, CHUNKS_ALIGNED: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """states[k, h] = state entering chunk k (x's dtype); final[s, h] = state after sequence s (fp32).
 
     S_out = exp(cs_L) S_in + sum_j exp(cs_L - cs_j) dt_j x_j B_j^T, L the chunk's last
-    position; every exponent is <= 0 for A <= 0.
+    position; every exponent is <= 0 for A <= 0. CHUNKS_ALIGNED: as in the output kernel.
     """
     s = tl.program_id(0)
     h = tl.program_id(1)
@@ -119,8 +119,10 @@ def ssd_chunk_states_kernel(
         x_chunk = x_head + tok0 * stride_x_t
         B_chunk = B_group + tok0 * stride_B_t
         for t0 in range(0, length, BLOCK_T):
-            offs, mask_t, cs, dt = load_block_decay(cs_head + tok0, dtd_head + tok0, t0, length, BLOCK_T)
-            weight = tl.where(mask_t, tl.exp(cs_last - cs) * dt, 0.0)  # decay to the chunk end, times dt_j
+            offs, cs, dt = load_chunk_decay(cs_head, dtd_head, tok0, t0, chunk_size, CHUNKS_ALIGNED, BLOCK_T)
+            mask_t = offs < length
+            # Decay to the chunk end, times dt_j; the select drops positions past the length.
+            weight = tl.where(mask_t, tl.exp(cs_last - cs) * dt, 0.0)
             x = load_tile(x_chunk, offs, mask_t, stride_x_t, offs_p, mask_p, stride_x_p)
             Bt = load_tile(B_chunk, offs, mask_t, stride_B_t, offs_n, mask_n, stride_B_n)
             xw = (x.to(tl.float32) * weight[:, None]).to(Bt.dtype)  # (t, p)
@@ -176,7 +178,7 @@ def ssd_chunk_output_kernel(
     """out for a block of BLOCK_M rows i of chunk k, head h; ypre = out before the gate.
 
     CB_STORED: C_i . B_j comes from ``ssd_chunk_cb_kernel``'s cb[k, g] instead of a product here.
-    CHUNKS_ALIGNED: every chunk starts at a multiple of chunk_size tokens (ChunkTable.aligned)."""
+    CHUNKS_ALIGNED: chunks start at multiples of 16 tokens (ChunkTable.vector_aligned)."""
     k, tok0, length, row0, offs_i, mask_i = chunk_block(chunk_start_ptr, chunk_len_ptr, n_slots, chunk_size,
                                                         BLOCK_M, True)
     if row0 >= length:
@@ -205,22 +207,12 @@ def ssd_chunk_output_kernel(
 
     # Causal quadratic form over the columns up to this block's last row.
     for j0 in range(0, tl.minimum(row0 + BLOCK_M, length), BLOCK_K):
-        offs_j = j0 + tl.arange(0, BLOCK_K)
+        # Vector loads of cs and dt (aligned chunks): the loop body of the 64 x 32 config
+        # went from 408 to 352 sm_90 instructions, and the kernel from 0.510 to 0.450 ms at
+        # B=8 x 2048 (H200). Columns past the length (garbage) meet only j > i, which the
+        # causal select drops.
+        offs_j, cs_j, dt_j = load_chunk_decay(cs_head, dtd_head, tok0, j0, chunk_size, CHUNKS_ALIGNED, BLOCK_K)
         mask_j = offs_j < length
-        # cs and dt under a mask on the chunk size, not the length: chunk_size is a multiple
-        # of 16 in practice, so the loads can be vectors (a mask on the length splits them
-        # into 4-byte loads with a predicate each, sm_90 SASS). Columns past the length read the
-        # next tokens' values, or the buffers' tail pad (run_dt_cumsum), which may hold
-        # anything: only j > i meets them, and the causal select drops those.
-        in_chunk = offs_j < chunk_size
-        cols = tok0.to(tl.int32) + offs_j  # token positions
-        if CHUNKS_ALIGNED:
-            # Vectors need the alignment too: without the hint a chunk may start anywhere.
-            # With both, the loop body of the 64 x 32 config went from 408 to 352 sm_90
-            # instructions, and the kernel from 0.510 to 0.450 ms at B=8 x 2048 (H200).
-            cols = tl.multiple_of(cols, 16)
-        cs_j = tl.load(cs_head + cols, mask=in_chunk, other=0.0)
-        dt_j = tl.load(dtd_head + cols, mask=in_chunk, other=0.0)
         x_j = load_tile(x_chunk, offs_j, mask_j, stride_x_t, offs_p, mask_p, stride_x_p)
         # No "& mask_j": for a row i that is stored (i < length), j <= i already implies
         # j < length, and rows past the end are never stored (the product keeps rows apart).
@@ -296,7 +288,7 @@ chunk_states = TunableKernel(
         # Few sequences x heads (one long sequence): more, smaller programs.
         _C({"BLOCK_P": 32, "BLOCK_T": 128, "BLOCK_N": 32}, num_warps=4, num_stages=3),
     ],
-    key=["headdim", "dstate", "chunk_size", "tune_bucket"],
+    key=["headdim", "dstate", "chunk_size", "tune_bucket", "CHUNKS_ALIGNED"],
     clamp=_clamp_states,
 )
 chunk_output = TunableKernel(
@@ -371,7 +363,7 @@ def run_chunk_states(x, dtd, cs, B, init, table: ChunkTable):
         tune_bucket=_tune_bucket(table.n_seqs * h),
         stride_x_t=x.stride(0), stride_x_h=x.stride(1), stride_x_p=x.stride(2),
         stride_B_t=B.stride(0), stride_B_g=B.stride(1), stride_B_n=B.stride(2),
-        HAS_INIT=init is not None, **dot_modes(x.dtype),
+        HAS_INIT=init is not None, CHUNKS_ALIGNED=table.vector_aligned, **dot_modes(x.dtype),
     )
     return states, final
 
@@ -416,7 +408,7 @@ def run_chunk_output(x, dtd, cs, B, C, D, z, states, table: ChunkTable, out_dtyp
         stride_out_t=out.stride(0), stride_out_h=out.stride(1), stride_out_p=out.stride(2),
         HAS_D=D is not None, D_PER_P=D is not None and D.dim() == 2,
         HAS_Z=z is not None, STORE_YPRE=store_ypre, CB_STORED=cb is not None,
-        CHUNKS_ALIGNED=table.aligned and table.chunk_size % 16 == 0,
+        CHUNKS_ALIGNED=table.vector_aligned,
         BLOCK_P=next_pow2(p), BLOCK_N=next_pow2(n), **dot_modes(x.dtype),
     )
     return out, ypre

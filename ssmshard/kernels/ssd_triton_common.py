@@ -180,6 +180,28 @@ def load_block_decay(cs_chunk_ptr, dtd_chunk_ptr, start, length, BLOCK: tl.const
 
 
 @triton.jit
+def load_chunk_decay(cs_head_ptr, dtd_head_ptr, tok0, start, chunk_size,
+                     CHUNKS_ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    """Chunk positions [start, start + BLOCK) of one head, read as vectors: (offs, cs, dt).
+
+    The pointers point at the head's row of the (h, t) buffers of the dt kernel. The mask is
+    the chunk size, not the chunk's length, so that the loads can be vectors (a mask on the
+    length splits them into 4-byte loads with a predicate each, sm_90 SASS); vectors also need
+    the chunk start to be aligned, which CHUNKS_ALIGNED (ChunkTable.aligned) promises. So
+    positions past the length hold the next tokens' values, or the buffers' tail pad
+    (run_dt_cumsum), which may be anything, NaN included: callers must select them away.
+    """
+    offs = start + tl.arange(0, BLOCK)
+    cols = tok0.to(tl.int32) + offs  # token positions
+    if CHUNKS_ALIGNED:
+        cols = tl.multiple_of(cols, 16)
+    in_chunk = offs < chunk_size
+    cs = tl.load(cs_head_ptr + cols, mask=in_chunk, other=0.0)
+    dt = tl.load(dtd_head_ptr + cols, mask=in_chunk, other=0.0)
+    return offs, cs, dt
+
+
+@triton.jit
 def chunk_block(chunk_start_ptr, chunk_len_ptr, n_slots, chunk_size,
                 BLOCK: tl.constexpr, LAST_BLOCKS_FIRST: tl.constexpr):
     """A block of BLOCK positions of one chunk, from program axis 0 = block * n_slots + chunk.
@@ -276,6 +298,8 @@ class ChunkTable:
                  aligned: bool = False):
         n_seqs = cu_seqlens.numel() - 1
         self.aligned = aligned
+        # Aligned to 16 tokens too: what lets the kernels load per-token fp32 as vectors.
+        self.vector_aligned = aligned and chunk_size % 16 == 0
         # sum ceil(len_s / T) <= (n_tokens + n_seqs * (T - 1)) // T
         self.n_slots = max(1, (n_tokens + n_seqs * (chunk_size - 1)) // chunk_size if n_chunks is None else n_chunks)
         self.n_seqs = n_seqs
