@@ -37,7 +37,7 @@ HEADS, HEADDIM, DSTATE, CHUNK, GROUPS, TOKENS = 80, 64, 128, 256, 1, 16384
 
 # Integer arguments at B=8 x L=2048 (contiguous inputs); used only for specialisation.
 INT_ARGS = dict(
-    n_tokens=TOKENS, n_slots=TOKENS // CHUNK, n_seqs=8, heads_per_group=HEADS // GROUPS, headdim=HEADDIM,
+    n_tokens=TOKENS, n_slots=TOKENS // CHUNK, decay_stride=CHUNK, n_seqs=8, heads_per_group=HEADS // GROUPS, headdim=HEADDIM,
     dstate=DSTATE, chunk_size=CHUNK, cb_row=CHUNK, stride_cb_k=GROUPS * CHUNK * CHUNK, stride_cb_g=CHUNK * CHUNK,
     tune_bucket=13, n_heads=HEADS, heads_per_split=20, ds_slots=DSTATE // 16,
     stride_dt_t=HEADS, stride_dt_h=1,
@@ -60,12 +60,9 @@ FLAGS = {
     "ssd_dx_dB_kernel": {"HAS_D": True, "D_PER_P": False},
     "ssd_dC_kernel": {},
 }
-# Kernels compiled once per variant: chunks aligned to the chunk size (as rows of one length
-# give) or not, and the output kernel with C.B^T stored once per group or multiplied per head.
-VARIANTS = {"ssd_chunk_states_kernel": ({"CHUNKS_ALIGNED": True}, {"CHUNKS_ALIGNED": False}),
-            "ssd_chunk_output_kernel": ({"CB_STORED": True, "CHUNKS_ALIGNED": True},
-                                        {"CB_STORED": True, "CHUNKS_ALIGNED": False},
-                                        {"CB_STORED": False, "CHUNKS_ALIGNED": False})}
+# Kernels compiled once per variant: the output kernel with C.B^T stored once per group, and
+# multiplied per head.
+VARIANTS = {"ssd_chunk_output_kernel": ({"CB_STORED": True}, {"CB_STORED": False})}
 
 
 def signature(fn, constexprs, dtype):

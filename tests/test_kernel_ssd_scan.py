@@ -189,7 +189,7 @@ BATCH_CASES = {
     # rows shorter than the chunk, of a length that is no power of two
     "short_rows": dict(shape=dict(b=3, l=21, h=2, p=4, g=1, n=8, D="h"), chunk=64,
                        options=dict(dt_softplus=True), final=True),
-    # rows a multiple of the chunk long: the output kernel's aligned-chunk path (vector loads)
+    # rows a multiple of the chunk long, every chunk full
     "aligned": dict(shape=dict(b=2, l=32, h=4, p=8, g=1, n=16, D="h"), chunk=16,
                     options=dict(dt_softplus=True), final=True),
     # state size 128, no D, out only (no final states)
@@ -297,15 +297,15 @@ def test_short_rows_share_a_power_of_two_chunk(monkeypatch):
     class RecordingTable(module.ChunkTable):
         def __init__(self, *args):
             super().__init__(*args)
-            seen.append((self.chunk_size, self.n_slots, self.aligned))
+            seen.append((self.chunk_size, self.n_slots))
 
     monkeypatch.setattr(module, "ChunkTable", RecordingTable)
     for length in (5, 17, 21, 32, 33, 200):
         inputs = make_inputs(2, length, 2, 4, 1, 8, D=None, z=False, bias=False)
         ssd_scan(**{k: v for k, v in inputs.items() if v is not None}, chunk_size=64)
     # Rows of one length get exactly their chunk count as slots (2 rows x ceil(l / T)); the
-    # device-side bound would give 3 at l = 33. Chunks are aligned where T divides l.
-    assert seen == [(16, 2, False), (32, 2, False), (32, 2, False), (32, 2, True), (64, 2, False), (64, 8, False)]
+    # device-side bound would give 3 at l = 33.
+    assert seen == [(16, 2), (32, 2), (32, 2), (32, 2), (64, 2), (64, 8)]
 
 
 def test_final_state_gradient_alone(fresh_seed):

@@ -58,10 +58,10 @@ class _SSDScan(torch.autograd.Function):
             # otherwise autotune every kernel again for every distinct length.
             chunk_size = min(chunk_size, next_pow2(l))
             cu_seqlens = torch.arange(0, n_tok + 1, l, device=x.device, dtype=torch.int32)
-            n_chunks, aligned = bsz * -(-l // chunk_size), l % chunk_size == 0
+            n_chunks = bsz * -(-l // chunk_size)
         else:
-            n_chunks, aligned = None, False  # lengths live on the device: the table bounds the count
-        table = ChunkTable(cu_seqlens, n_tok, chunk_size, n_chunks, aligned)
+            n_chunks = None  # lengths live on the device: the table bounds the count
+        table = ChunkTable(cu_seqlens, n_tok, chunk_size, n_chunks)
         dt_args = dt_kwargs(dt_bias, dt_softplus, dt_min, dt_max)
         flat = _Flat(x, dt, B, C, z)
         store_ypre = z is not None and any(ctx.needs_input_grad)

@@ -32,12 +32,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ssmshard.kernels.ssd_scan_fwd import run_chunk_states, run_dt_cumsum
+from ssmshard.kernels.ssd_scan_fwd import decay_stride, run_chunk_states, run_dt_cumsum
 from ssmshard.kernels.ssd_triton_common import (
     ChunkTable,
     TunableKernel,
     chunk_block,
     dot_modes,
+    decay_row,
     load_block_decay,
     load_chunk_dt,
     load_tile,
@@ -53,7 +54,7 @@ def ssd_state_grads_kernel(
     states_ptr, final_ptr, dfinal_ptr,
     dstates_ptr, dinit_ptr, dz_ptr, dy_ptr, dD_part_ptr, ds_part_ptr,
     seq_first_chunk_ptr, chunk_start_ptr, chunk_len_ptr,
-    n_tokens, n_slots, ds_slots, heads_per_group, headdim, dstate, chunk_size, tune_bucket,
+    n_tokens, n_slots, decay_stride, ds_slots, heads_per_group, headdim, dstate, chunk_size, tune_bucket,
     stride_x_t, stride_x_h, stride_x_p,
     stride_C_t, stride_C_g, stride_C_n,
     stride_z_t, stride_z_h, stride_z_p,
@@ -81,7 +82,6 @@ def ssd_state_grads_kernel(
     mask_pn = mask_p[:, None] & mask_n[None, :]
     offs_pn = offs_p[:, None] * dstate + offs_n[None, :]
     state_size = headdim * dstate
-    cs_head = cs_ptr + tl.cast(h, tl.int64) * n_tokens
     # Only n block 0 writes the per-token gradients: p limit headdim there, 0 elsewhere.
     mask_p_token_grads = offs_p < tl.where(nb == 0, headdim, 0)
 
@@ -113,7 +113,7 @@ def ssd_state_grads_kernel(
 
         tok0 = tl.load(chunk_start_ptr + k).to(tl.int64)
         length = tl.load(chunk_len_ptr + k)
-        cs_chunk = cs_head + tok0
+        cs_chunk = decay_row(cs_ptr, h, k, n_slots, decay_stride)
         dS = dS * tl.exp(tl.load(cs_chunk + length - 1))
         # Pointers to the chunk's first token; offsets inside the chunk stay int32.
         dout_chunk = dout_ptr + tok0 * stride_dout_t + h * stride_dout_h
@@ -152,7 +152,8 @@ def ssd_dx_dB_kernel(
     x_ptr, dtd_ptr, cs_ptr, B_ptr, C_ptr, D_ptr, dy_ptr, dstates_ptr,
     dx_ptr, ddt_direct_ptr, dB_part_ptr,
     chunk_start_ptr, chunk_len_ptr,
-    n_tokens, n_slots, n_heads, heads_per_group, heads_per_split, headdim, dstate, chunk_size, tune_bucket,
+    n_tokens, n_slots, decay_stride, n_heads, heads_per_group, heads_per_split, headdim, dstate, chunk_size,
+    tune_bucket,
     stride_x_t, stride_x_h, stride_x_p,
     stride_B_t, stride_B_g, stride_B_n,
     stride_C_t, stride_C_g, stride_C_n,
@@ -184,8 +185,8 @@ def ssd_dx_dB_kernel(
         h = g * heads_per_group + e
         x_chunk = x_ptr + tok0 * stride_x_t + h * stride_x_h
         dy_chunk = dy_ptr + tok0 * stride_dy_t + h * stride_dy_h
-        cs_chunk = cs_ptr + tl.cast(h, tl.int64) * n_tokens + tok0
-        dtd_chunk = dtd_ptr + tl.cast(h, tl.int64) * n_tokens + tok0
+        cs_chunk = decay_row(cs_ptr, h, k, n_slots, decay_stride)
+        dtd_chunk = decay_row(dtd_ptr, h, k, n_slots, decay_stride)
         # An unused slot has length 0: read position 0 instead of -1 (nothing is stored for it).
         cs_last = tl.load(cs_chunk + tl.maximum(length - 1, 0))
         cs_j = tl.load(cs_chunk + offs_j, mask=mask_j, other=0.0)
@@ -234,7 +235,8 @@ def ssd_dC_kernel(
     x_ptr, dtd_ptr, cs_ptr, B_ptr, C_ptr, dy_ptr, states_ptr,
     dcs_row_ptr, dC_part_ptr,
     chunk_start_ptr, chunk_len_ptr,
-    n_tokens, n_slots, n_heads, heads_per_group, heads_per_split, headdim, dstate, chunk_size, tune_bucket,
+    n_tokens, n_slots, decay_stride, n_heads, heads_per_group, heads_per_split, headdim, dstate, chunk_size,
+    tune_bucket,
     stride_x_t, stride_x_h, stride_x_p,
     stride_B_t, stride_B_g, stride_B_n,
     stride_C_t, stride_C_g, stride_C_n,
@@ -263,8 +265,8 @@ def ssd_dC_kernel(
     for e in range(e_lo, tl.minimum(e_lo + heads_per_split, heads_per_group)):
         h = g * heads_per_group + e
         x_chunk = x_ptr + tok0 * stride_x_t + h * stride_x_h
-        cs_chunk = cs_ptr + tl.cast(h, tl.int64) * n_tokens + tok0
-        dtd_chunk = dtd_ptr + tl.cast(h, tl.int64) * n_tokens + tok0
+        cs_chunk = decay_row(cs_ptr, h, k, n_slots, decay_stride)
+        dtd_chunk = decay_row(dtd_ptr, h, k, n_slots, decay_stride)
         cs_i = tl.load(cs_chunk + offs_i, mask=mask_i, other=0.0)
         dy_i = load_tile(dy_ptr + tok0 * stride_dy_t + h * stride_dy_h, offs_i, mask_i, stride_dy_t, offs_p, mask_p,
                          stride_dy_p).to(C_i.dtype)
@@ -399,7 +401,8 @@ def ssd_backward(dout, dfinal, x, dt, A, B, C, D, z, ypre, init, table: ChunkTab
     states, final = run_chunk_states(x, dtd, cs, B, init, table)
     chunk_start, chunk_len, seq_first_chunk = table.tensors()
     modes = dot_modes(x.dtype)
-    common = dict(n_tokens=n_tok, n_slots=table.n_slots, headdim=p, dstate=n, chunk_size=table.chunk_size,
+    common = dict(n_tokens=n_tok, n_slots=table.n_slots, decay_stride=decay_stride(table), headdim=p, dstate=n,
+                  chunk_size=table.chunk_size,
                   cs_ptr=cs, chunk_start_ptr=chunk_start, chunk_len_ptr=chunk_len, **modes)
 
     dstates = torch.empty_like(states)

@@ -3,7 +3,8 @@
 Four kernels, on the flattened token axis and the chunk table of ssd_triton_common:
 
 0. ``ssd_dt_cumsum_kernel``, one program per (chunk, head): discretised dt and the
-   cumulative log-decay cs since the chunk start, stored per (head, token) in float32 so
+   cumulative log-decay cs since the chunk start, stored per (head, chunk slot, position) in
+   float32 (rows of decay_stride, see ssd_triton_common.decay_row) so
    every later kernel (forward and backward) reads the same values.
 1. ``ssd_chunk_states_kernel``, one program per (sequence, head, block of (p, n)): walks the
    sequence's chunks in order, stores the state entering each chunk and carries it
@@ -40,6 +41,7 @@ from ssmshard.kernels.ssd_triton_common import (
     TunableKernel,
     chunk_block,
     dot_modes,
+    decay_row,
     load_chunk_decay,
     load_chunk_dt,
     load_tile,
@@ -52,35 +54,38 @@ from ssmshard.kernels.ssd_triton_common import (
 @triton.jit
 def ssd_dt_cumsum_kernel(
     dt_ptr, A_ptr, dt_bias_ptr, dtd_ptr, cs_ptr, chunk_start_ptr, chunk_len_ptr,
-    n_tokens, stride_dt_t, stride_dt_h, dt_min, dt_max,
+    stride_dt_t, stride_dt_h, dt_min, dt_max,
     HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, CHUNK_PAD: tl.constexpr,
 ):
-    """dtd[h, t] = discretised dt; cs[h, t] = sum of dt A over the chunk's tokens up to t (both fp32)."""
+    """Rows of chunk k, head h (decay_row, CHUNK_PAD long): dtd = discretised dt, cs = sum of
+    dt A over the chunk's tokens up to each position (both fp32). Whole rows are written: past
+    the chunk's length dt is 0 and cs stays at its last value, so readers need no length mask."""
     k = tl.program_id(0)
     h = tl.program_id(1)
     tok0 = tl.load(chunk_start_ptr + k).to(tl.int64)
-    offs, mask, dt, unused_slope = load_chunk_dt(dt_ptr, dt_bias_ptr, h, tok0, tl.load(chunk_len_ptr + k),
-                                      stride_dt_t, stride_dt_h, dt_min, dt_max, HAS_BIAS, SOFTPLUS, CHUNK_PAD)
+    offs, unused_mask, dt, unused_slope = load_chunk_dt(dt_ptr, dt_bias_ptr, h, tok0, tl.load(chunk_len_ptr + k),
+                                             stride_dt_t, stride_dt_h, dt_min, dt_max, HAS_BIAS, SOFTPLUS,
+                                             CHUNK_PAD)
     cs = tl.cumsum(dt * tl.load(A_ptr + h).to(tl.float32), 0)
-    row = tl.cast(h, tl.int64) * n_tokens + tok0 + offs
-    tl.store(dtd_ptr + row, dt, mask=mask)
-    tl.store(cs_ptr + row, cs, mask=mask)
+    n_slots = tl.num_programs(0)
+    tl.store(decay_row(dtd_ptr, h, k, n_slots, CHUNK_PAD) + offs, dt)
+    tl.store(decay_row(cs_ptr, h, k, n_slots, CHUNK_PAD) + offs, cs)
 
 
 @triton.jit
 def ssd_chunk_states_kernel(
     x_ptr, dtd_ptr, cs_ptr, B_ptr, init_ptr, states_ptr, final_ptr,
     seq_first_chunk_ptr, chunk_start_ptr, chunk_len_ptr,
-    n_tokens, heads_per_group, headdim, dstate, chunk_size, tune_bucket,
+    n_slots, decay_stride, heads_per_group, headdim, dstate, chunk_size, tune_bucket,
     stride_x_t, stride_x_h, stride_x_p,
     stride_B_t, stride_B_g, stride_B_n,
-    HAS_INIT: tl.constexpr, CHUNKS_ALIGNED: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_INIT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """states[k, h] = state entering chunk k (x's dtype); final[s, h] = state after sequence s (fp32).
 
     S_out = exp(cs_L) S_in + sum_j exp(cs_L - cs_j) dt_j x_j B_j^T, L the chunk's last
-    position; every exponent is <= 0 for A <= 0. CHUNKS_ALIGNED: as in the output kernel.
+    position; every exponent is <= 0 for A <= 0.
     """
     s = tl.program_id(0)
     h = tl.program_id(1)
@@ -105,8 +110,6 @@ def ssd_chunk_states_kernel(
 
     x_head = x_ptr + h * stride_x_h
     B_group = B_ptr + g * stride_B_g
-    cs_head = cs_ptr + tl.cast(h, tl.int64) * n_tokens
-    dtd_head = dtd_ptr + tl.cast(h, tl.int64) * n_tokens
     first = tl.load(seq_first_chunk_ptr + s)
     last = tl.load(seq_first_chunk_ptr + s + 1)
     for k in range(first, last):
@@ -114,15 +117,16 @@ def ssd_chunk_states_kernel(
         tl.store(states_ptr + slot * state_size + offs_pn, state.to(states_ptr.dtype.element_ty), mask=mask_pn)
         tok0 = tl.load(chunk_start_ptr + k).to(tl.int64)
         length = tl.load(chunk_len_ptr + k)
-        cs_last = tl.load(cs_head + tok0 + length - 1)  # chunks of a sequence are never empty
+        cs_row = decay_row(cs_ptr, h, k, n_slots, decay_stride)
+        dtd_row = decay_row(dtd_ptr, h, k, n_slots, decay_stride)
+        cs_last = tl.load(cs_row + length - 1)  # chunks of a sequence are never empty
         state = state * tl.exp(cs_last)
         x_chunk = x_head + tok0 * stride_x_t
         B_chunk = B_group + tok0 * stride_B_t
         for t0 in range(0, length, BLOCK_T):
-            offs, cs, dt = load_chunk_decay(cs_head, dtd_head, tok0, t0, chunk_size, CHUNKS_ALIGNED, BLOCK_T)
+            offs, cs, dt = load_chunk_decay(cs_row, dtd_row, t0, decay_stride, BLOCK_T)
             mask_t = offs < length
-            # Decay to the chunk end, times dt_j; the select drops positions past the length.
-            weight = tl.where(mask_t, tl.exp(cs_last - cs) * dt, 0.0)
+            weight = tl.exp(cs_last - cs) * dt  # decay to the chunk end, times dt_j (0 past the length)
             x = load_tile(x_chunk, offs, mask_t, stride_x_t, offs_p, mask_p, stride_x_p)
             Bt = load_tile(B_chunk, offs, mask_t, stride_B_t, offs_n, mask_n, stride_B_n)
             xw = (x.to(tl.float32) * weight[:, None]).to(Bt.dtype)  # (t, p)
@@ -164,7 +168,7 @@ def ssd_chunk_cb_kernel(
 def ssd_chunk_output_kernel(
     x_ptr, dtd_ptr, cs_ptr, B_ptr, C_ptr, D_ptr, z_ptr, states_ptr, cb_ptr, out_ptr, ypre_ptr,
     chunk_start_ptr, chunk_len_ptr,
-    n_tokens, n_slots, heads_per_group, headdim, dstate, chunk_size, tune_bucket,
+    n_slots, decay_stride, heads_per_group, headdim, dstate, chunk_size, tune_bucket,
     stride_cb_k, stride_cb_g, cb_row,
     stride_x_t, stride_x_h, stride_x_p,
     stride_B_t, stride_B_g, stride_B_n,
@@ -172,13 +176,12 @@ def ssd_chunk_output_kernel(
     stride_z_t, stride_z_h, stride_z_p,
     stride_out_t, stride_out_h, stride_out_p,
     HAS_D: tl.constexpr, D_PER_P: tl.constexpr, HAS_Z: tl.constexpr, STORE_YPRE: tl.constexpr,
-    CB_STORED: tl.constexpr, CHUNKS_ALIGNED: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    CB_STORED: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """out for a block of BLOCK_M rows i of chunk k, head h; ypre = out before the gate.
 
-    CB_STORED: C_i . B_j comes from ``ssd_chunk_cb_kernel``'s cb[k, g] instead of a product here.
-    CHUNKS_ALIGNED: chunks start at multiples of 16 tokens (ChunkTable.vector_aligned)."""
+    CB_STORED: C_i . B_j comes from ``ssd_chunk_cb_kernel``'s cb[k, g] instead of a product here."""
     k, tok0, length, row0, offs_i, mask_i = chunk_block(chunk_start_ptr, chunk_len_ptr, n_slots, chunk_size,
                                                         BLOCK_M, True)
     if row0 >= length:
@@ -190,10 +193,10 @@ def ssd_chunk_output_kernel(
     # Pointers to the chunk's first token; offsets inside the chunk stay int32.
     x_chunk = x_ptr + tok0 * stride_x_t + h * stride_x_h
     B_chunk = B_ptr + tok0 * stride_B_t + g * stride_B_g
-    cs_head = cs_ptr + tl.cast(h, tl.int64) * n_tokens
-    dtd_head = dtd_ptr + tl.cast(h, tl.int64) * n_tokens
+    cs_row = decay_row(cs_ptr, h, k, n_slots, decay_stride)
+    dtd_row = decay_row(dtd_ptr, h, k, n_slots, decay_stride)
 
-    cs_i = tl.load(cs_head + tok0 + offs_i, mask=mask_i, other=0.0)
+    cs_i = tl.load(cs_row + offs_i, mask=mask_i, other=0.0)
     C_i = load_tile(C_ptr + tok0 * stride_C_t + g * stride_C_g, offs_i, mask_i, stride_C_t, offs_n, mask_n,
                     stride_C_n)
     slot = tl.cast(k, tl.int64) * n_heads + h
@@ -207,11 +210,9 @@ def ssd_chunk_output_kernel(
 
     # Causal quadratic form over the columns up to this block's last row.
     for j0 in range(0, tl.minimum(row0 + BLOCK_M, length), BLOCK_K):
-        # Vector loads of cs and dt (aligned chunks): the loop body of the 64 x 32 config
-        # went from 408 to 352 sm_90 instructions, and the kernel from 0.510 to 0.450 ms at
-        # B=8 x 2048 (H200). Columns past the length (garbage) meet only j > i, which the
-        # causal select drops.
-        offs_j, cs_j, dt_j = load_chunk_decay(cs_head, dtd_head, tok0, j0, chunk_size, CHUNKS_ALIGNED, BLOCK_K)
+        # Vector loads of cs and dt: the loop body of the 64 x 32 config went from 408 to
+        # 352 sm_90 instructions, and the kernel from 0.510 to 0.450 ms at B=8 x 2048 (H200).
+        offs_j, cs_j, dt_j = load_chunk_decay(cs_row, dtd_row, j0, decay_stride, BLOCK_K)
         mask_j = offs_j < length
         x_j = load_tile(x_chunk, offs_j, mask_j, stride_x_t, offs_p, mask_p, stride_x_p)
         # No "& mask_j": for a row i that is stored (i < length), j <= i already implies
@@ -288,7 +289,7 @@ chunk_states = TunableKernel(
         # Few sequences x heads (one long sequence): more, smaller programs.
         _C({"BLOCK_P": 32, "BLOCK_T": 128, "BLOCK_N": 32}, num_warps=4, num_stages=3),
     ],
-    key=["headdim", "dstate", "chunk_size", "tune_bucket", "CHUNKS_ALIGNED"],
+    key=["headdim", "dstate", "chunk_size", "tune_bucket"],
     clamp=_clamp_states,
 )
 chunk_output = TunableKernel(
@@ -303,7 +304,7 @@ chunk_output = TunableKernel(
         # (H200); 5 stages or 4 warps never were (session 10, call 4).
         _C({"BLOCK_M": 32, "BLOCK_K": 32}, num_warps=2, num_stages=3),
     ],
-    key=["headdim", "dstate", "chunk_size", "tune_bucket", "CB_STORED", "CHUNKS_ALIGNED"],
+    key=["headdim", "dstate", "chunk_size", "tune_bucket", "CB_STORED"],
     clamp=_clamp_output,
 )
 
@@ -328,29 +329,33 @@ def dt_kwargs(dt_bias, dt_softplus: bool, dt_min: float, dt_max: float) -> dict:
 
 
 def run_dt_cumsum(dt, A, table: ChunkTable, dt_args: dict):
-    """(dtd, cs): discretised dt and in-chunk cumulative log-decay, (h, t) float32 each."""
-    n_tok, h = dt.shape
-    # chunk_size floats of pad past the last head's row: the chunk-output kernel reads whole
-    # chunks' worth of columns, up to chunk_size - 1 past a chunk's last token.
-    pad = table.chunk_size
-    dtd = torch.empty(h * n_tok + pad, device=dt.device, dtype=torch.float32)[: h * n_tok].view(h, n_tok)
-    cs = torch.empty(h * n_tok + pad, device=dt.device, dtype=torch.float32)[: h * n_tok].view(h, n_tok)
+    """(dtd, cs): discretised dt and in-chunk cumulative log-decay, (h, slot, decay_stride(table))
+    float32 each (rows: decay_row)."""
+    h = dt.shape[1]
+    dtd = torch.empty(h, table.n_slots, decay_stride(table), device=dt.device, dtype=torch.float32)
+    cs = torch.empty_like(dtd)
     chunk_start, chunk_len, _ = table.tensors()
     ssd_dt_cumsum_kernel[(table.n_slots, h)](
         dt, A, dt_args["dt_bias_ptr"], dtd, cs, chunk_start, chunk_len,
-        n_tok, dt.stride(0), dt.stride(1), dt_args["dt_min"], dt_args["dt_max"],
+        dt.stride(0), dt.stride(1), dt_args["dt_min"], dt_args["dt_max"],
         HAS_BIAS=dt_args["HAS_BIAS"], SOFTPLUS=dt_args["SOFTPLUS"],
-        CHUNK_PAD=next_pow2(table.chunk_size), num_warps=4,
+        CHUNK_PAD=decay_stride(table), num_warps=4,
     )
     return dtd, cs
+
+
+def decay_stride(table: ChunkTable) -> int:
+    """Length of one chunk's cs / dt row: the chunk size rounded up to a power of two, so rows
+    start aligned and whole blocks of every kernel fit inside a row."""
+    return next_pow2(table.chunk_size)
 
 
 def run_chunk_states(x, dtd, cs, B, init, table: ChunkTable):
     """states (n_slots, h, p, n) in x's dtype (state entering each chunk) and final (S, h, p, n) fp32.
 
-    x: (t, h, p); dtd, cs: (h, t); B: (t, g, n); init: (S, h, p, n) or None.
+    x: (t, h, p); dtd, cs: (h, slot, decay_stride); B: (t, g, n); init: (S, h, p, n) or None.
     """
-    n_tok, h, p = x.shape
+    h, p = x.shape[1:]
     g, n = B.shape[1], B.shape[2]
     states = torch.empty(table.n_slots, h, p, n, device=x.device, dtype=x.dtype)
     final = torch.empty(table.n_seqs, h, p, n, device=x.device, dtype=torch.float32)
@@ -359,11 +364,11 @@ def run_chunk_states(x, dtd, cs, B, init, table: ChunkTable):
         lambda meta: (table.n_seqs, h, triton.cdiv(p, meta["BLOCK_P"]) * triton.cdiv(n, meta["BLOCK_N"])),
         x_ptr=x, dtd_ptr=dtd, cs_ptr=cs, B_ptr=B, init_ptr=init, states_ptr=states, final_ptr=final,
         seq_first_chunk_ptr=seq_first_chunk, chunk_start_ptr=chunk_start, chunk_len_ptr=chunk_len,
-        n_tokens=n_tok, heads_per_group=h // g, headdim=p, dstate=n, chunk_size=table.chunk_size,
-        tune_bucket=_tune_bucket(table.n_seqs * h),
+        n_slots=table.n_slots, decay_stride=decay_stride(table), heads_per_group=h // g, headdim=p, dstate=n,
+        chunk_size=table.chunk_size, tune_bucket=_tune_bucket(table.n_seqs * h),
         stride_x_t=x.stride(0), stride_x_h=x.stride(1), stride_x_p=x.stride(2),
         stride_B_t=B.stride(0), stride_B_g=B.stride(1), stride_B_n=B.stride(2),
-        HAS_INIT=init is not None, CHUNKS_ALIGNED=table.vector_aligned, **dot_modes(x.dtype),
+        HAS_INIT=init is not None, **dot_modes(x.dtype),
     )
     return states, final
 
@@ -398,7 +403,8 @@ def run_chunk_output(x, dtd, cs, B, C, D, z, states, table: ChunkTable, out_dtyp
         lambda meta: (table.n_slots * triton.cdiv(table.chunk_size, meta["BLOCK_M"]), h),
         x_ptr=x, dtd_ptr=dtd, cs_ptr=cs, B_ptr=B, C_ptr=C, D_ptr=D, z_ptr=z, states_ptr=states, cb_ptr=cb,
         out_ptr=out, ypre_ptr=ypre, chunk_start_ptr=chunk_start, chunk_len_ptr=chunk_len,
-        n_tokens=n_tok, n_slots=table.n_slots, heads_per_group=h // g, headdim=p, dstate=n, chunk_size=table.chunk_size,
+        n_slots=table.n_slots, decay_stride=decay_stride(table), heads_per_group=h // g, headdim=p, dstate=n,
+        chunk_size=table.chunk_size,
         tune_bucket=_tune_bucket(table.n_slots * h),
         stride_cb_k=cb_strides[0], stride_cb_g=cb_strides[1], cb_row=cb_strides[2],
         stride_x_t=x.stride(0), stride_x_h=x.stride(1), stride_x_p=x.stride(2),
@@ -408,7 +414,6 @@ def run_chunk_output(x, dtd, cs, B, C, D, z, states, table: ChunkTable, out_dtyp
         stride_out_t=out.stride(0), stride_out_h=out.stride(1), stride_out_p=out.stride(2),
         HAS_D=D is not None, D_PER_P=D is not None and D.dim() == 2,
         HAS_Z=z is not None, STORE_YPRE=store_ypre, CB_STORED=cb is not None,
-        CHUNKS_ALIGNED=table.vector_aligned,
         BLOCK_P=next_pow2(p), BLOCK_N=next_pow2(n), **dot_modes(x.dtype),
     )
     return out, ypre

@@ -169,7 +169,7 @@ def load_tile(ptr, rows, row_mask, stride_row, cols, col_mask, stride_col):
 def load_block_decay(cs_chunk_ptr, dtd_chunk_ptr, start, length, BLOCK: tl.constexpr):
     """Chunk positions [start, start + BLOCK) of one head: (offs, mask, cs, dt).
 
-    The pointers point at the chunk's first token in the (h, t) buffers of the dt kernel;
+    The pointers point at the chunk's row of the dt kernel's buffers (decay_row);
     cs and dt are 0 where mask is false.
     """
     offs = start + tl.arange(0, BLOCK)
@@ -180,25 +180,26 @@ def load_block_decay(cs_chunk_ptr, dtd_chunk_ptr, start, length, BLOCK: tl.const
 
 
 @triton.jit
-def load_chunk_decay(cs_head_ptr, dtd_head_ptr, tok0, start, chunk_size,
-                     CHUNKS_ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
-    """Chunk positions [start, start + BLOCK) of one head, read as vectors: (offs, cs, dt).
+def decay_row(ptr, h, k, n_slots, decay_stride):
+    """Chunk k's row of head h in a (h, slot, decay_stride) buffer of the dt kernel (cs or dt).
 
-    The pointers point at the head's row of the (h, t) buffers of the dt kernel. The mask is
-    the chunk size, not the chunk's length, so that the loads can be vectors (a mask on the
-    length splits them into 4-byte loads with a predicate each, sm_90 SASS); vectors also need
-    the chunk start to be aligned, which CHUNKS_ALIGNED (ChunkTable.aligned) promises. So
-    positions past the length hold the next tokens' values, or the buffers' tail pad
-    (run_dt_cumsum), which may be anything, NaN included: callers must select them away.
+    Slot-major rows of a power of two make every chunk's values start aligned wherever the
+    chunk starts in the token axis, so kernels read them as vectors; a (h, t) layout left the
+    rows of packed chunks unaligned, and each thread loaded them 4 bytes at a time (sm_90 SASS).
+    """
+    return ptr + (tl.cast(h, tl.int64) * n_slots + k) * decay_stride
+
+
+@triton.jit
+def load_chunk_decay(cs_row_ptr, dtd_row_ptr, start, decay_stride, BLOCK: tl.constexpr):
+    """Positions [start, start + BLOCK) of one chunk's cs and dt rows (decay_row): (offs, cs, dt).
+
+    The dt kernel writes whole rows (dt 0 and cs constant past the chunk's length), so no
+    length mask is needed, and the mask on the row's size lets the loads be vectors.
     """
     offs = start + tl.arange(0, BLOCK)
-    cols = tok0.to(tl.int32) + offs  # token positions
-    if CHUNKS_ALIGNED:
-        cols = tl.multiple_of(cols, 16)
-    in_chunk = offs < chunk_size
-    cs = tl.load(cs_head_ptr + cols, mask=in_chunk, other=0.0)
-    dt = tl.load(dtd_head_ptr + cols, mask=in_chunk, other=0.0)
-    return offs, cs, dt
+    in_row = offs < decay_stride
+    return offs, tl.load(cs_row_ptr + offs, mask=in_row, other=0.0), tl.load(dtd_row_ptr + offs, mask=in_row, other=0.0)
 
 
 @triton.jit
@@ -290,16 +291,10 @@ class ChunkTable:
     the chunk count (slots past the end have length 0), so no value needs to reach the host.
     A caller that knows the exact count (rows of one length) passes it as ``n_chunks``: every
     kernel launches programs per slot, and empty slots would be launched for nothing.
-    ``aligned``: every chunk starts at a multiple of chunk_size tokens (rows of one length
-    that is a multiple of it), which kernels may use as an alignment hint.
     """
 
-    def __init__(self, cu_seqlens: torch.Tensor, n_tokens: int, chunk_size: int, n_chunks: int | None = None,
-                 aligned: bool = False):
+    def __init__(self, cu_seqlens: torch.Tensor, n_tokens: int, chunk_size: int, n_chunks: int | None = None):
         n_seqs = cu_seqlens.numel() - 1
-        self.aligned = aligned
-        # Aligned to 16 tokens too: what lets the kernels load per-token fp32 as vectors.
-        self.vector_aligned = aligned and chunk_size % 16 == 0
         # sum ceil(len_s / T) <= (n_tokens + n_seqs * (T - 1)) // T
         self.n_slots = max(1, (n_tokens + n_seqs * (chunk_size - 1)) // chunk_size if n_chunks is None else n_chunks)
         self.n_seqs = n_seqs

@@ -5,9 +5,10 @@ opcodes. Session 10's loop counts came from this and sass_loops.py:
     PYTHONPATH=/tmp/triton36 python sass_compile_output.py both|ours|peer M K WARPS STAGES
     python sass_loops.py ours_M_K_WARPS_STAGES.sass
 
-OURS_MODULE=path/to/ssd_scan_fwd.py compiles another version of our module; ALIGNED=0 the
-unaligned-chunk variant; PEER_SCAN=path to a file holding the peer kernel (peer_scan.py, cut
-from mamba_ssm/ops/triton/ssd_chunk_scan.py: its _chunk_scan_fwd_kernel under @triton.jit).
+OURS_MODULE=path/to/ssd_scan_fwd.py compiles another version of our module (one whose output
+kernel takes the same arguments); PEER_SCAN=path to a file holding the peer kernel
+(peer_scan.py, cut from mamba_ssm/ops/triton/ssd_chunk_scan.py: its _chunk_scan_fwd_kernel
+under @triton.jit).
 """
 import os, re, subprocess, sys, tempfile, collections
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", ".."))
@@ -77,7 +78,7 @@ if which in ("ours", "both"):
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import compile_ssd_scan as C
     ptrs = {n: "fp32" for n in C.FP32_BUFFERS} | {n: "i32" for n in C.INT32_BUFFERS}
-    cx = dict(HAS_D=True, D_PER_P=False, HAS_Z=False, STORE_YPRE=False, CB_STORED=True, CHUNKS_ALIGNED=os.environ.get("ALIGNED", "1") == "1", DOT_PRECISION="tf32",
+    cx = dict(HAS_D=True, D_PER_P=False, HAS_Z=False, STORE_YPRE=False, CB_STORED=True, DOT_PRECISION="tf32",
               UPCAST=False, BLOCK_P=64, BLOCK_N=128, BLOCK_M=M, BLOCK_K=K)
     ints = dict(C.INT_ARGS); ints["n_slots"] = 64
     k, sass = build(fn, ints, ptrs, cx, W, S)
