@@ -174,10 +174,6 @@ def cu_from(lengths):
 
 # --- tests ------------------------------------------------------------------------------
 
-# The chunk-output kernel lets exp overflow above the diagonal (j > i) and selects those
-# entries away afterwards; under the CPU interpreter numpy reports the overflow and the inf * 0.
-pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning",
-                                        "ignore:invalid value encountered in multiply:RuntimeWarning")
 
 BATCH_CASES = {
     # every option on, two groups of two heads, D per (h, p), dt clamped from above too
@@ -285,6 +281,52 @@ def test_bf16_packed_matches_sequential(cb_stored, fresh_seed, monkeypatch):
     inputs = make_inputs(1, sum(lengths), 2, 8, 1, 16, D="hp", init=len(lengths), dtype=torch.bfloat16)
     check_against_sequential(inputs, chunk, dict(dt_softplus=True), BF16_TOL, BF16_TOL, cu_seqlens=cu_from(lengths))
     assert bool(calls) == cb_stored
+
+
+# The chunk-output kernel lets exp overflow above the diagonal (j > i) and selects those
+# entries away afterwards; under the CPU interpreter numpy reports the overflows and inf * 0.
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("cb_stored", [True, False], ids=["cb_stored", "cb_inline"])
+def test_strong_decay_overflows_above_diagonal(cb_stored, fresh_seed, monkeypatch):
+    """A in [-30, -20] and dt >= 0.5: cs falls by at least 10 per token, so exp(cs_i - cs_j)
+    overflows to inf for j > i inside a 16-token chunk, and the kernel must select those away
+    after the product (a select before it would leave inf * 0 = NaN in stored rows). Forward
+    only: dA is badly conditioned in this regime (as it was before the select changed)."""
+    calls = route_cb(monkeypatch, cb_stored)
+    inputs = make_inputs(2, 37, 4, 8, 1, 16, D="h")
+    inputs["A"] = -(20.0 + 10.0 * torch.rand(4, device=DEVICE))
+    options = dict(dt_softplus=True, dt_limit=(0.5, 5.0))
+    args = {k: v for k, v in inputs.items() if v is not None}
+    want_out, want_final = sequential_ssd(**{k: v.double() for k, v in args.items()}, **options)
+    got_out, got_final = ssd_scan(**args, chunk_size=16, **options, return_final_states=True)
+    assert rel_err(got_out, want_out) <= FP32_TOL and rel_err(got_final, want_final) <= FP32_TOL
+    assert bool(calls) == cb_stored
+
+
+def test_dt_rows_written_whole(fresh_seed, monkeypatch):
+    """Every (head, slot) row of cs and dt is written whole, empty slots included: dt is 0 and
+    cs keeps its last value past the chunk's length (readers load whole rows unmasked)."""
+    from ssmshard.kernels import ssd_scan_fwd
+    from ssmshard.kernels.ssd_triton_common import ChunkTable
+
+    lengths = [3, 8, 13, 1]
+    n_tok, h, chunk = sum(lengths), 3, 8  # rows are next_pow2(8) = 16 long (block dims >= 16)
+    table = ChunkTable(cu_from(lengths), n_tok, chunk)
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+    # Buffers start as NaN, so any position the kernel leaves unwritten shows.
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(math.nan))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: real_empty_like(*a, **k).fill_(math.nan))
+    dt = torch.randn(n_tok, h, device=DEVICE)
+    A = -(0.05 + torch.rand(h, device=DEVICE))
+    dtd, cs = ssd_scan_fwd.run_dt_cumsum(dt, A, table, ssd_scan_fwd.dt_kwargs(None, True, 0.0, math.inf))
+    monkeypatch.undo()
+    assert torch.isfinite(dtd).all() and torch.isfinite(cs).all()
+    assert table.n_slots > int(table.seq_first_chunk[-1])  # the table has empty slots
+    for k, length in enumerate(table.chunk_len.tolist()):
+        assert (dtd[:, k, length:] == 0).all(), k
+        last = cs[:, k, length - 1:length] if length > 0 else torch.zeros(h, 1, device=DEVICE)
+        # Equal up to rounding: a GPU cumsum may add the same terms in another order.
+        torch.testing.assert_close(cs[:, k, length:], last.expand(-1, cs.shape[2] - length), rtol=1e-6, atol=1e-6)
 
 
 def test_short_rows_share_a_power_of_two_chunk(monkeypatch):

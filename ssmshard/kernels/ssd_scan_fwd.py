@@ -54,12 +54,13 @@ from ssmshard.kernels.ssd_triton_common import (
 @triton.jit
 def ssd_dt_cumsum_kernel(
     dt_ptr, A_ptr, dt_bias_ptr, dtd_ptr, cs_ptr, chunk_start_ptr, chunk_len_ptr,
-    stride_dt_t, stride_dt_h, dt_min, dt_max,
+    n_slots, stride_dt_t, stride_dt_h, dt_min, dt_max,
     HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, CHUNK_PAD: tl.constexpr,
 ):
     """Rows of chunk k, head h (decay_row, CHUNK_PAD long): dtd = discretised dt, cs = sum of
     dt A over the chunk's tokens up to each position (both fp32). Whole rows are written: past
-    the chunk's length dt is 0 and cs stays at its last value, so readers need no length mask."""
+    the chunk's length dt is 0 and cs stays at its last value (up to rounding: the cumsum may
+    add in another order), so readers need no length mask."""
     k = tl.program_id(0)
     h = tl.program_id(1)
     tok0 = tl.load(chunk_start_ptr + k).to(tl.int64)
@@ -67,7 +68,6 @@ def ssd_dt_cumsum_kernel(
                                              stride_dt_t, stride_dt_h, dt_min, dt_max, HAS_BIAS, SOFTPLUS,
                                              CHUNK_PAD)
     cs = tl.cumsum(dt * tl.load(A_ptr + h).to(tl.float32), 0)
-    n_slots = tl.num_programs(0)
     tl.store(decay_row(dtd_ptr, h, k, n_slots, CHUNK_PAD) + offs, dt)
     tl.store(decay_row(cs_ptr, h, k, n_slots, CHUNK_PAD) + offs, cs)
 
@@ -330,14 +330,18 @@ def dt_kwargs(dt_bias, dt_softplus: bool, dt_min: float, dt_max: float) -> dict:
 
 def run_dt_cumsum(dt, A, table: ChunkTable, dt_args: dict):
     """(dtd, cs): discretised dt and in-chunk cumulative log-decay, (h, slot, decay_stride(table))
-    float32 each (rows: decay_row)."""
+    float32 each (rows: decay_row).
+
+    h * n_slots * next_pow2(T) floats each, against h * n_tokens for a per-token layout: the
+    same for full chunks, up to next_pow2(T) times more where sequences are far shorter than a chunk
+    (still a small fraction of the chunk states, p * n values per slot and head)."""
     h = dt.shape[1]
     dtd = torch.empty(h, table.n_slots, decay_stride(table), device=dt.device, dtype=torch.float32)
     cs = torch.empty_like(dtd)
     chunk_start, chunk_len, _ = table.tensors()
     ssd_dt_cumsum_kernel[(table.n_slots, h)](
         dt, A, dt_args["dt_bias_ptr"], dtd, cs, chunk_start, chunk_len,
-        dt.stride(0), dt.stride(1), dt_args["dt_min"], dt_args["dt_max"],
+        table.n_slots, dt.stride(0), dt.stride(1), dt_args["dt_min"], dt_args["dt_max"],
         HAS_BIAS=dt_args["HAS_BIAS"], SOFTPLUS=dt_args["SOFTPLUS"],
         CHUNK_PAD=decay_stride(table), num_warps=4,
     )

@@ -194,8 +194,11 @@ def decay_row(ptr, h, k, n_slots, decay_stride):
 def load_chunk_decay(cs_row_ptr, dtd_row_ptr, start, decay_stride, BLOCK: tl.constexpr):
     """Positions [start, start + BLOCK) of one chunk's cs and dt rows (decay_row): (offs, cs, dt).
 
-    The dt kernel writes whole rows (dt 0 and cs constant past the chunk's length), so no
-    length mask is needed, and the mask on the row's size lets the loads be vectors.
+    The dt kernel writes whole rows (dt 0, and cs equal to its last value up to rounding, past
+    the chunk's length), so no length mask is needed and the loads are vectors. The mask on
+    the row's size is a guard only: callers' blocks lie inside the row (start is a multiple
+    of BLOCK below the chunk's length, BLOCK <= next_pow2(chunk_size) = decay_stride by the
+    launchers' clamps). Were it ever to mask, cs would read 0 there, not its last value.
     """
     offs = start + tl.arange(0, BLOCK)
     in_row = offs < decay_stride
@@ -291,12 +294,15 @@ class ChunkTable:
     the chunk count (slots past the end have length 0), so no value needs to reach the host.
     A caller that knows the exact count (rows of one length) passes it as ``n_chunks``: every
     kernel launches programs per slot, and empty slots would be launched for nothing.
+    ``n_chunks`` must be at least the true count (a smaller one makes kernels index past the
+    table); it is exact for rows of one length.
     """
 
     def __init__(self, cu_seqlens: torch.Tensor, n_tokens: int, chunk_size: int, n_chunks: int | None = None):
         n_seqs = cu_seqlens.numel() - 1
         # sum ceil(len_s / T) <= (n_tokens + n_seqs * (T - 1)) // T
-        self.n_slots = max(1, (n_tokens + n_seqs * (chunk_size - 1)) // chunk_size if n_chunks is None else n_chunks)
+        bound = (n_tokens + n_seqs * (chunk_size - 1)) // chunk_size
+        self.n_slots = max(1, bound if n_chunks is None else n_chunks)
         self.n_seqs = n_seqs
         self.chunk_size = chunk_size
         device = cu_seqlens.device
