@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ssmshard.kernels.ssd_scan_fwd import decay_stride, run_chunk_states, run_dt_cumsum
+from ssmshard.kernels.ssd_scan_fwd import run_chunk_states, run_dt_cumsum
 from ssmshard.kernels.ssd_triton_common import (
     ChunkTable,
     TunableKernel,
@@ -401,7 +401,7 @@ def ssd_backward(dout, dfinal, x, dt, A, B, C, D, z, ypre, init, table: ChunkTab
     states, final = run_chunk_states(x, dtd, cs, B, init, table)
     chunk_start, chunk_len, seq_first_chunk = table.tensors()
     modes = dot_modes(x.dtype)
-    common = dict(n_tokens=n_tok, n_slots=table.n_slots, decay_stride=decay_stride(table), headdim=p, dstate=n,
+    common = dict(n_tokens=n_tok, n_slots=table.n_slots, decay_stride=table.decay_stride, headdim=p, dstate=n,
                   chunk_size=table.chunk_size,
                   cs_ptr=cs, chunk_start_ptr=chunk_start, chunk_len_ptr=chunk_len, **modes)
 

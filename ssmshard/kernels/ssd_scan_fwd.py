@@ -189,7 +189,8 @@ def ssd_chunk_output_kernel(
     h = tl.program_id(1)
     n_heads = tl.num_programs(1)
     g = h // heads_per_group
-    offs_p, mask_p, offs_n, mask_n, mask_p_state = state_coords(headdim, dstate, length, BLOCK_P, BLOCK_N)
+    # (The state load needs no empty-slot mask: an empty slot returned above.)
+    offs_p, mask_p, offs_n, mask_n, unused_mask_p_state = state_coords(headdim, dstate, length, BLOCK_P, BLOCK_N)
     # Pointers to the chunk's first token; offsets inside the chunk stay int32.
     x_chunk = x_ptr + tok0 * stride_x_t + h * stride_x_h
     B_chunk = B_ptr + tok0 * stride_B_t + g * stride_B_g
@@ -200,7 +201,7 @@ def ssd_chunk_output_kernel(
     C_i = load_tile(C_ptr + tok0 * stride_C_t + g * stride_C_g, offs_i, mask_i, stride_C_t, offs_n, mask_n,
                     stride_C_n)
     slot = tl.cast(k, tl.int64) * n_heads + h
-    state_in = load_tile(states_ptr + slot * headdim * dstate, offs_p, mask_p_state, dstate,
+    state_in = load_tile(states_ptr + slot * headdim * dstate, offs_p, mask_p, dstate,
                          offs_n, mask_n, 1)  # (p, n)
     if CB_STORED:  # (cb_ptr is None otherwise)
         cb_chunk = cb_ptr + tl.cast(k, tl.int64) * stride_cb_k + g * stride_cb_g
@@ -211,7 +212,8 @@ def ssd_chunk_output_kernel(
     # Causal quadratic form over the columns up to this block's last row.
     for j0 in range(0, tl.minimum(row0 + BLOCK_M, length), BLOCK_K):
         # Vector loads of cs and dt: the loop body of the 64 x 32 config went from 408 to
-        # 352 sm_90 instructions, and the kernel from 0.510 to 0.450 ms at B=8 x 2048 (H200).
+        # 357 sm_90 instructions; with the single select, the kernel from 0.510 to
+        # 0.430-0.454 ms at B=8 x 2048 (H200, session 10).
         offs_j, cs_j, dt_j = load_chunk_decay(cs_row, dtd_row, j0, decay_stride, BLOCK_K)
         mask_j = offs_j < length
         x_j = load_tile(x_chunk, offs_j, mask_j, stride_x_t, offs_p, mask_p, stride_x_p)
@@ -329,29 +331,23 @@ def dt_kwargs(dt_bias, dt_softplus: bool, dt_min: float, dt_max: float) -> dict:
 
 
 def run_dt_cumsum(dt, A, table: ChunkTable, dt_args: dict):
-    """(dtd, cs): discretised dt and in-chunk cumulative log-decay, (h, slot, decay_stride(table))
+    """(dtd, cs): discretised dt and in-chunk cumulative log-decay, (h, slot, table.decay_stride)
     float32 each (rows: decay_row).
 
     h * n_slots * next_pow2(T) floats each, against h * n_tokens for a per-token layout: the
     same for full chunks, up to next_pow2(T) times more where sequences are far shorter than a chunk
     (still a small fraction of the chunk states, p * n values per slot and head)."""
     h = dt.shape[1]
-    dtd = torch.empty(h, table.n_slots, decay_stride(table), device=dt.device, dtype=torch.float32)
+    dtd = torch.empty(h, table.n_slots, table.decay_stride, device=dt.device, dtype=torch.float32)
     cs = torch.empty_like(dtd)
     chunk_start, chunk_len, _ = table.tensors()
     ssd_dt_cumsum_kernel[(table.n_slots, h)](
         dt, A, dt_args["dt_bias_ptr"], dtd, cs, chunk_start, chunk_len,
         table.n_slots, dt.stride(0), dt.stride(1), dt_args["dt_min"], dt_args["dt_max"],
         HAS_BIAS=dt_args["HAS_BIAS"], SOFTPLUS=dt_args["SOFTPLUS"],
-        CHUNK_PAD=decay_stride(table), num_warps=4,
+        CHUNK_PAD=table.decay_stride, num_warps=4,
     )
     return dtd, cs
-
-
-def decay_stride(table: ChunkTable) -> int:
-    """Length of one chunk's cs / dt row: the chunk size rounded up to a power of two, so rows
-    start aligned and whole blocks of every kernel fit inside a row."""
-    return next_pow2(table.chunk_size)
 
 
 def run_chunk_states(x, dtd, cs, B, init, table: ChunkTable):
@@ -368,7 +364,7 @@ def run_chunk_states(x, dtd, cs, B, init, table: ChunkTable):
         lambda meta: (table.n_seqs, h, triton.cdiv(p, meta["BLOCK_P"]) * triton.cdiv(n, meta["BLOCK_N"])),
         x_ptr=x, dtd_ptr=dtd, cs_ptr=cs, B_ptr=B, init_ptr=init, states_ptr=states, final_ptr=final,
         seq_first_chunk_ptr=seq_first_chunk, chunk_start_ptr=chunk_start, chunk_len_ptr=chunk_len,
-        n_slots=table.n_slots, decay_stride=decay_stride(table), heads_per_group=h // g, headdim=p, dstate=n,
+        n_slots=table.n_slots, decay_stride=table.decay_stride, heads_per_group=h // g, headdim=p, dstate=n,
         chunk_size=table.chunk_size, tune_bucket=_tune_bucket(table.n_seqs * h),
         stride_x_t=x.stride(0), stride_x_h=x.stride(1), stride_x_p=x.stride(2),
         stride_B_t=B.stride(0), stride_B_g=B.stride(1), stride_B_n=B.stride(2),
@@ -407,7 +403,7 @@ def run_chunk_output(x, dtd, cs, B, C, D, z, states, table: ChunkTable, out_dtyp
         lambda meta: (table.n_slots * triton.cdiv(table.chunk_size, meta["BLOCK_M"]), h),
         x_ptr=x, dtd_ptr=dtd, cs_ptr=cs, B_ptr=B, C_ptr=C, D_ptr=D, z_ptr=z, states_ptr=states, cb_ptr=cb,
         out_ptr=out, ypre_ptr=ypre, chunk_start_ptr=chunk_start, chunk_len_ptr=chunk_len,
-        n_slots=table.n_slots, decay_stride=decay_stride(table), heads_per_group=h // g, headdim=p, dstate=n,
+        n_slots=table.n_slots, decay_stride=table.decay_stride, heads_per_group=h // g, headdim=p, dstate=n,
         chunk_size=table.chunk_size,
         tune_bucket=_tune_bucket(table.n_slots * h),
         stride_cb_k=cb_strides[0], stride_cb_g=cb_strides[1], cb_row=cb_strides[2],

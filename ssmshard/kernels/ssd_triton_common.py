@@ -305,6 +305,9 @@ class ChunkTable:
         self.n_slots = max(1, bound if n_chunks is None else n_chunks)
         self.n_seqs = n_seqs
         self.chunk_size = chunk_size
+        # Length of one chunk's cs / dt row (decay_row): a power of two, so rows start aligned
+        # and every kernel's whole blocks fit inside a row.
+        self.decay_stride = next_pow2(chunk_size)
         device = cu_seqlens.device
         self.chunk_start = torch.empty(self.n_slots, dtype=torch.int32, device=device)
         self.chunk_len = torch.empty(self.n_slots, dtype=torch.int32, device=device)
