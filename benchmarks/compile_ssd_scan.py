@@ -105,7 +105,7 @@ def kernel_configs(first_only):
     chunk = {"CHUNK_PAD": CHUNK}
     dt_flags = {"HAS_BIAS": True, "SOFTPLUS": True}
     yield "chunk_table", ssd_triton_common.chunk_table_kernel, {"BLOCK_K": 128, "BLOCK_S": 64}, 4, 2
-    yield "dt_cumsum", ssd_scan_fwd.ssd_dt_cumsum_kernel, {**dt_flags, **chunk}, 4, 2
+    yield "dt_cumsum", ssd_scan_fwd.ssd_dt_cumsum_kernel, {**dt_flags, **chunk, "BLOCK_H": ssd_scan_fwd._DT_BLOCK_H}, 4, 2
     yield "dt_grads", ssd_scan_bwd.ssd_dt_grads_kernel, {**dt_flags, **chunk}, 4, 2
     blocks = {"BLOCK_P": triton.next_power_of_2(HEADDIM), "BLOCK_N": triton.next_power_of_2(DSTATE)}
     yield ("chunk_cb", ssd_scan_fwd.ssd_chunk_cb_kernel,

@@ -303,14 +303,16 @@ def test_strong_decay_overflows_above_diagonal(cb_stored, fresh_seed, monkeypatc
     assert bool(calls) == cb_stored
 
 
-def test_dt_rows_written_whole(fresh_seed, monkeypatch):
+@pytest.mark.parametrize("h", [3, 20])  # 20: one full block of 16 heads and a partial one
+def test_dt_rows_written_whole(h, fresh_seed, monkeypatch):
     """Every (head, slot) row of cs and dt is written whole, empty slots included: dt is 0 and
-    cs keeps its last value past the chunk's length (readers load whole rows unmasked)."""
+    cs keeps its last value past the chunk's length (readers load whole rows unmasked). Inside
+    the length, dt and cs match a plain float64 softplus and cumsum."""
     from ssmshard.kernels import ssd_scan_fwd
     from ssmshard.kernels.ssd_triton_common import ChunkTable
 
     lengths = [3, 8, 13, 1]
-    n_tok, h, chunk = sum(lengths), 3, 8  # rows are next_pow2(8) = 16 long (block dims >= 16)
+    n_tok, chunk = sum(lengths), 8  # rows are next_pow2(8) = 16 long (block dims >= 16)
     table = ChunkTable(cu_from(lengths), n_tok, chunk)
     real_empty, real_empty_like = torch.empty, torch.empty_like
     # Buffers start as NaN, so any position the kernel leaves unwritten shows.
@@ -322,7 +324,12 @@ def test_dt_rows_written_whole(fresh_seed, monkeypatch):
     monkeypatch.undo()
     assert torch.isfinite(dtd).all() and torch.isfinite(cs).all()
     assert table.n_slots > int(table.seq_first_chunk[-1])  # the table has empty slots
-    for k, length in enumerate(table.chunk_len.tolist()):
+    want_dt = torch.nn.functional.softplus(dt.double())  # (t, h)
+    for k, (start, length) in enumerate(zip(table.chunk_start.tolist(), table.chunk_len.tolist())):
+        want = want_dt[start:start + length].T  # (h, length)
+        torch.testing.assert_close(dtd[:, k, :length].double(), want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(cs[:, k, :length].double(), (want * A.double()[:, None]).cumsum(1),
+                                   rtol=1e-5, atol=1e-6)
         assert (dtd[:, k, length:] == 0).all(), k
         last = cs[:, k, length - 1:length] if length > 0 else torch.zeros(h, 1, device=DEVICE)
         # Equal up to rounding: a GPU cumsum may add the same terms in another order.
@@ -335,19 +342,35 @@ def test_short_rows_share_a_power_of_two_chunk(monkeypatch):
     from ssmshard.kernels import ssd_scan as module
 
     seen = []
+    real_forward = module.ssd_forward
 
-    class RecordingTable(module.ChunkTable):
-        def __init__(self, *args):
-            super().__init__(*args)
-            seen.append((self.chunk_size, self.n_slots))
+    def recording_forward(*args):
+        table = args[8]
+        seen.append((table.chunk_size, table.n_slots))
+        return real_forward(*args)
 
-    monkeypatch.setattr(module, "ChunkTable", RecordingTable)
+    monkeypatch.setattr(module, "ssd_forward", recording_forward)
     for length in (5, 17, 21, 32, 33, 200):
         inputs = make_inputs(2, length, 2, 4, 1, 8, D=None, z=False, bias=False)
         ssd_scan(**{k: v for k, v in inputs.items() if v is not None}, chunk_size=64)
     # Rows of one length get exactly their chunk count as slots (2 rows x ceil(l / T)); the
     # device-side bound would give 3 at l = 33.
     assert seen == [(16, 2), (32, 2), (32, 2), (32, 2), (64, 2), (64, 8)]
+
+
+def test_row_tables_are_reused_and_equal_a_fresh_table():
+    """Tables of equal-length rows are kept per shape; each equals the table built from the
+    rows' cu_seqlens, with the exact chunk count as slots."""
+    from ssmshard.kernels.ssd_triton_common import ChunkTable
+
+    for n_rows, length, chunk in ((3, 33, 16), (1, 16, 16), (2, 5, 16)):
+        table = ChunkTable.for_rows(n_rows, length, chunk, torch.device(DEVICE))
+        assert ChunkTable.for_rows(n_rows, length, chunk, torch.device(DEVICE)) is table
+        fresh = ChunkTable(cu_from([length] * n_rows), n_rows * length, chunk)
+        assert table.n_slots == n_rows * -(-length // chunk) <= fresh.n_slots
+        for got, want in zip(table.tensors(), fresh.tensors()):
+            assert torch.equal(got, want[:got.numel()])
+        assert (fresh.chunk_len[table.n_slots:] == 0).all()
 
 
 def test_final_state_gradient_alone(fresh_seed):

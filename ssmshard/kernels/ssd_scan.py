@@ -57,11 +57,10 @@ class _SSDScan(torch.autograd.Function):
             # chunk_size is an autotuning key, and training on a mix of short lengths would
             # otherwise autotune every kernel again for every distinct length.
             chunk_size = min(chunk_size, next_pow2(l))
-            cu_seqlens = torch.arange(0, n_tok + 1, l, device=x.device, dtype=torch.int32)
-            n_chunks = bsz * -(-l // chunk_size)
+            table = ChunkTable.for_rows(bsz, l, chunk_size, x.device)
         else:
-            n_chunks = None  # lengths live on the device: the table bounds the count
-        table = ChunkTable(cu_seqlens, n_tok, chunk_size, n_chunks)
+            # Lengths live on the device: the table bounds the chunk count.
+            table = ChunkTable(cu_seqlens, n_tok, chunk_size)
         dt_args = dt_kwargs(dt_bias, dt_softplus, dt_min, dt_max)
         flat = _Flat(x, dt, B, C, z)
         store_ypre = z is not None and any(ctx.needs_input_grad)

@@ -16,6 +16,7 @@ from its own start (its last chunk may be shorter). Row r of a (b, l) batch is s
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -151,6 +152,22 @@ def load_chunk_dt(dt_ptr, dt_bias_ptr, h, tok0, length, stride_dt_t, stride_dt_h
         raw += tl.load(dt_bias_ptr + h).to(tl.float32)
     dt, slope = discretise_dt(raw, dt_min, dt_max, SOFTPLUS)
     return offs, mask, tl.where(mask, dt, 0.0), tl.where(mask, slope, 0.0)
+
+
+@triton.jit
+def load_chunk_dt_heads(dt_ptr, dt_bias_ptr, heads, head_mask, tok0, length, stride_dt_t, stride_dt_h,
+                        dt_min, dt_max, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, CHUNK_PAD: tl.constexpr):
+    """load_chunk_dt for several heads at once: (offs, dt) with dt (CHUNK_PAD, heads), 0 at
+    padded positions and masked heads. The heads of a token are adjacent in a (t, h) dt, so
+    a block of them loads whole sectors where one head per program read 2 of every 32 bytes."""
+    offs = tl.arange(0, CHUNK_PAD)
+    mask = (offs < length)[:, None] & head_mask[None, :]
+    raw = tl.load(dt_ptr + (tok0 + offs)[:, None] * stride_dt_t + heads[None, :] * stride_dt_h, mask=mask,
+                  other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        raw += tl.load(dt_bias_ptr + heads, mask=head_mask, other=0.0).to(tl.float32)[None, :]
+    dt, unused_slope = discretise_dt(raw, dt_min, dt_max, SOFTPLUS)
+    return offs, tl.where(mask, dt, 0.0)
 
 
 @triton.jit
@@ -321,3 +338,29 @@ class ChunkTable:
 
     def tensors(self):
         return self.chunk_start, self.chunk_len, self.seq_first_chunk
+
+    @staticmethod
+    def for_rows(n_rows: int, length: int, chunk_size: int, device: torch.device) -> "ChunkTable":
+        """The table of a (n_rows, length) batch (row r is sequence r), reused across calls.
+
+        Building it takes two kernels (cu_seqlens, then the table): 4 us of device time, 4%
+        of a B=1 x 2048 Mamba2-2.7B forward (H200). Tables are read-only, so one per shape
+        is kept (per stream, so no stream reads a table another stream is still writing).
+        A table built while a CUDA graph is being captured is not kept: its memory belongs
+        to the graph.
+        """
+        device = torch.device(device)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return ChunkTable._build_for_rows(n_rows, length, chunk_size, device)
+        stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+        return ChunkTable._cached_for_rows(n_rows, length, chunk_size, device, stream)
+
+    @staticmethod
+    def _build_for_rows(n_rows, length, chunk_size, device):
+        cu_seqlens = torch.arange(0, n_rows * length + 1, length, device=device, dtype=torch.int32)
+        return ChunkTable(cu_seqlens, n_rows * length, chunk_size, n_rows * -(-length // chunk_size))
+
+    @staticmethod
+    @functools.lru_cache(maxsize=64)
+    def _cached_for_rows(n_rows, length, chunk_size, device, unused_stream):
+        return ChunkTable._build_for_rows(n_rows, length, chunk_size, device)
