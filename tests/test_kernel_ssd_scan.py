@@ -336,6 +336,36 @@ def test_dt_rows_written_whole(h, fresh_seed, monkeypatch):
         torch.testing.assert_close(cs[:, k, length:], last.expand(-1, cs.shape[2] - length), rtol=1e-6, atol=1e-6)
 
 
+def test_no_result_reads_cs_past_a_chunk_end(fresh_seed, monkeypatch):
+    """Past a chunk's length, cs equals its last value only up to rounding (a GPU cumsum may
+    add in another order; at |cs| ~ 500 one rounding is 3e-5 of exp(cs)). Perturbing cs
+    there must change no output, final state or gradient: every reader takes the chunk's
+    last value at its own position."""
+    from ssmshard.kernels import ssd_scan_bwd, ssd_scan_fwd
+
+    real = ssd_scan_fwd.run_dt_cumsum
+
+    def perturbed(dt, A, table, dt_args):
+        dtd, cs = real(dt, A, table, dt_args)
+        past_end = torch.arange(cs.shape[2], device=cs.device) >= table.chunk_len[:, None]  # (slot, position)
+        return dtd, torch.where(past_end, cs * 1.001 - 1e-3, cs)
+
+    lengths = [5, 16, 3, 21, 32, 1]  # partial chunks, edges on the chunk and a one-token sequence
+    args = make_inputs(1, sum(lengths), 3, 4, 1, 8, D=None, z=False, bias=True)
+    args = {k: v.detach().requires_grad_() for k, v in args.items() if v is not None}
+    options = dict(chunk_size=16, dt_softplus=True, cu_seqlens=cu_from(lengths), return_final_states=True)
+    results = []
+    for patch in (False, True):
+        if patch:  # the backward recomputes cs (and the chunk states) with its own call
+            monkeypatch.setattr(ssd_scan_fwd, "run_dt_cumsum", perturbed)
+            monkeypatch.setattr(ssd_scan_bwd, "run_dt_cumsum", perturbed)
+        out, final = ssd_scan(**args, **options)
+        grads = torch.autograd.grad((out * torch.cos(out.detach())).sum() + final.sum(), list(args.values()))
+        results.append((out, final, *grads))
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+
+
 def test_short_rows_share_a_power_of_two_chunk(monkeypatch):
     """Rows shorter than the chunk run with the chunk cut to the next power of two: the chunk
     size keys the autotuner, so a length mix must not bring one tuning per distinct length."""

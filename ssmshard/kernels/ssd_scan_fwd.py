@@ -133,13 +133,14 @@ def ssd_chunk_states_kernel(
         k = first + kk
         cs_row = decay_row(cs_ptr, h, k, n_slots, decay_stride)
         dtd_row = decay_row(dtd_ptr, h, k, n_slots, decay_stride)
-        # cs at the chunk's last position: rows hold it up to their end (whole rows).
-        cs_last = tl.load(cs_row + decay_stride - 1)
+        length = tl.minimum(chunk_size, last_len + (n_chunks - 1 - kk) * chunk_size)
+        # cs at the chunk's last position itself: the row's end holds the same value only up
+        # to rounding, and at |cs| ~ 500 (strong decay) one rounding is 3e-5 of exp(cs) (H200).
+        cs_last = tl.load(cs_row + length - 1)
         if t0 == 0:
             slot = tl.cast(k, tl.int64) * n_heads + h
             tl.store(states_ptr + slot * state_size + offs_pn, state.to(states_ptr.dtype.element_ty), mask=mask_pn)
             state = state * tl.exp(cs_last)
-        length = tl.minimum(chunk_size, last_len + (n_chunks - 1 - kk) * chunk_size)
         # Scalar offsets move the pointers; the tiles' element offsets stay loop-invariant.
         rows, cs, dt = load_chunk_decay(cs_row + t0, dtd_row + t0, 0, decay_stride - t0, BLOCK_T)
         weight = tl.exp(cs_last - cs) * dt  # decay to the chunk end, times dt_j (0 past the length)
@@ -344,8 +345,11 @@ CB_STORED_MIN_HEADS_PER_GROUP = 2
 _CB_BLOCK = 64
 
 
-# Heads per dt-kernel program: 16 bf16 dt values of a token fill one 32-byte sector.
-_DT_BLOCK_H = 16
+# Heads per dt-kernel program: a token's heads are adjacent in a (t, h) dt. One head per
+# program took 0.0106 ms at B=1 x 16384 and B=8 x 2048 (h=80, H200), 8 heads 0.0060, 16 heads
+# 0.0066 (fewer programs); at B=1 x 2048, 8 heads 0.0025 against 0.0027 for one
+# (benchmarks/results/kernels/session11/dt_sweep.log).
+_DT_BLOCK_H = 8
 
 
 def dt_kwargs(dt_bias, dt_softplus: bool, dt_min: float, dt_max: float) -> dict:
@@ -355,7 +359,7 @@ def dt_kwargs(dt_bias, dt_softplus: bool, dt_min: float, dt_max: float) -> dict:
     }
 
 
-def run_dt_cumsum(dt, A, table: ChunkTable, dt_args: dict):
+def run_dt_cumsum(dt, A, table: ChunkTable, dt_args: dict, block_h: int | None = None):
     """(dtd, cs): discretised dt and in-chunk cumulative log-decay, (h, slot, table.decay_stride)
     float32 each (rows: decay_row).
 
@@ -366,7 +370,7 @@ def run_dt_cumsum(dt, A, table: ChunkTable, dt_args: dict):
     dtd = torch.empty(h, table.n_slots, table.decay_stride, device=dt.device, dtype=torch.float32)
     cs = torch.empty_like(dtd)
     chunk_start, chunk_len, _ = table.tensors()
-    block_h = min(_DT_BLOCK_H, triton.next_power_of_2(h))
+    block_h = min(block_h or _DT_BLOCK_H, triton.next_power_of_2(h))
     ssd_dt_cumsum_kernel[(table.n_slots, triton.cdiv(h, block_h))](
         dt, A, dt_args["dt_bias_ptr"], dtd, cs, chunk_start, chunk_len,
         table.n_slots, h, dt.stride(0), dt.stride(1), dt_args["dt_min"], dt_args["dt_max"],

@@ -159,7 +159,7 @@ def load_chunk_dt_heads(dt_ptr, dt_bias_ptr, heads, head_mask, tok0, length, str
                         dt_min, dt_max, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, CHUNK_PAD: tl.constexpr):
     """load_chunk_dt for several heads at once: (offs, dt) with dt (CHUNK_PAD, heads), 0 at
     padded positions and masked heads. The heads of a token are adjacent in a (t, h) dt, so
-    a block of them loads whole sectors where one head per program read 2 of every 32 bytes."""
+    a block of them shares sectors where one head per program read 2 of every 32 bytes."""
     offs = tl.arange(0, CHUNK_PAD)
     mask = (offs < length)[:, None] & head_mask[None, :]
     raw = tl.load(dt_ptr + (tok0 + offs)[:, None] * stride_dt_t + heads[None, :] * stride_dt_h, mask=mask,
