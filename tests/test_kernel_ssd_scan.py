@@ -303,7 +303,7 @@ def test_strong_decay_overflows_above_diagonal(cb_stored, fresh_seed, monkeypatc
     assert bool(calls) == cb_stored
 
 
-@pytest.mark.parametrize("h", [3, 20])  # 20: one full block of 16 heads and a partial one
+@pytest.mark.parametrize("h", [3, 20])  # 20: full blocks of heads (_DT_BLOCK_H = 8) and a partial one
 def test_dt_rows_written_whole(h, fresh_seed, monkeypatch):
     """Every (head, slot) row of cs and dt is written whole, empty slots included: dt is 0 and
     cs keeps its last value past the chunk's length (readers load whole rows unmasked). Inside
@@ -336,7 +336,11 @@ def test_dt_rows_written_whole(h, fresh_seed, monkeypatch):
         torch.testing.assert_close(cs[:, k, length:], last.expand(-1, cs.shape[2] - length), rtol=1e-6, atol=1e-6)
 
 
-def test_no_result_reads_cs_past_a_chunk_end(fresh_seed, monkeypatch):
+@pytest.mark.parametrize("chunk, lengths", [
+    (16, [5, 16, 3, 21, 32, 1]),  # partial chunks, edges on the chunk, a one-token sequence
+    (100, [5, 100, 3, 121, 1]),  # chunks of several token blocks (BLOCK_T <= 64 here)
+])
+def test_no_result_reads_cs_past_a_chunk_end(chunk, lengths, fresh_seed, monkeypatch):
     """Past a chunk's length, cs equals its last value only up to rounding (a GPU cumsum may
     add in another order; at |cs| ~ 500 one rounding is 3e-5 of exp(cs)). Perturbing cs
     there must change no output, final state or gradient: every reader takes the chunk's
@@ -350,10 +354,9 @@ def test_no_result_reads_cs_past_a_chunk_end(fresh_seed, monkeypatch):
         past_end = torch.arange(cs.shape[2], device=cs.device) >= table.chunk_len[:, None]  # (slot, position)
         return dtd, torch.where(past_end, cs * 1.001 - 1e-3, cs)
 
-    lengths = [5, 16, 3, 21, 32, 1]  # partial chunks, edges on the chunk and a one-token sequence
     args = make_inputs(1, sum(lengths), 3, 4, 1, 8, D=None, z=False, bias=True)
     args = {k: v.detach().requires_grad_() for k, v in args.items() if v is not None}
-    options = dict(chunk_size=16, dt_softplus=True, cu_seqlens=cu_from(lengths), return_final_states=True)
+    options = dict(chunk_size=chunk, dt_softplus=True, cu_seqlens=cu_from(lengths), return_final_states=True)
     results = []
     for patch in (False, True):
         if patch:  # the backward recomputes cs (and the chunk states) with its own call

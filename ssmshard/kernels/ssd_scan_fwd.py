@@ -2,7 +2,7 @@
 
 Four kernels, on the flattened token axis and the chunk table of ssd_triton_common:
 
-0. ``ssd_dt_cumsum_kernel``, one program per (chunk, head): discretised dt and the
+0. ``ssd_dt_cumsum_kernel``, one program per (chunk, block of heads): discretised dt and the
    cumulative log-decay cs since the chunk start, stored per (head, chunk slot, position) in
    float32 (rows of decay_stride, see ssd_triton_common.decay_row) so
    every later kernel (forward and backward) reads the same values.
