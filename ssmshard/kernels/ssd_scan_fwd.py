@@ -66,8 +66,9 @@ def ssd_dt_cumsum_kernel(
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     head_mask = heads < n_heads
     tok0 = tl.load(chunk_start_ptr + k).to(tl.int64)
-    offs, dt = load_chunk_dt_heads(dt_ptr, dt_bias_ptr, heads, head_mask, tok0, tl.load(chunk_len_ptr + k),
-                                   stride_dt_t, stride_dt_h, dt_min, dt_max, HAS_BIAS, SOFTPLUS, CHUNK_PAD)
+    offs, unused_mask, dt, unused_slope = load_chunk_dt_heads(
+        dt_ptr, dt_bias_ptr, heads, head_mask, tok0, tl.load(chunk_len_ptr + k),
+        stride_dt_t, stride_dt_h, dt_min, dt_max, HAS_BIAS, SOFTPLUS, CHUNK_PAD)
     A = tl.load(A_ptr + heads, mask=head_mask, other=0.0).to(tl.float32)
     cs = tl.cumsum(dt * A[None, :], 0)  # (t, heads)
     row = offs[:, None]  # (t, 1): position inside each head's row
@@ -368,7 +369,7 @@ def dt_kwargs(dt_bias, dt_softplus: bool, dt_min: float, dt_max: float) -> dict:
 
 def run_dt_cumsum(dt, A, table: ChunkTable, dt_args: dict, block_h: int | None = None):
     """(dtd, cs): discretised dt and in-chunk cumulative log-decay, (h, slot, table.decay_stride)
-    float32 each (rows: decay_row).
+    float32 each (rows: decay_row). block_h: heads per program (default _DT_BLOCK_H; for sweeps).
 
     h * n_slots * next_pow2(T) floats each, against h * n_tokens for a per-token layout: the
     same for full chunks, up to next_pow2(T) times more where sequences are far shorter than a chunk

@@ -139,35 +139,34 @@ def discretise_dt(raw, dt_min, dt_max, SOFTPLUS: tl.constexpr):
 
 
 @triton.jit
-def load_chunk_dt(dt_ptr, dt_bias_ptr, h, tok0, length, stride_dt_t, stride_dt_h, dt_min, dt_max,
-                  HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, CHUNK_PAD: tl.constexpr):
-    """Discretised dt of one chunk and head, its slope d dt / d dt_raw, positions and mask.
-
-    Both are 0 at padded positions (>= length), so those neither decay nor feed the state.
-    """
-    offs = tl.arange(0, CHUNK_PAD)
-    mask = offs < length
-    raw = tl.load(dt_ptr + h * stride_dt_h + (tok0 + offs) * stride_dt_t, mask=mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        raw += tl.load(dt_bias_ptr + h).to(tl.float32)
-    dt, slope = discretise_dt(raw, dt_min, dt_max, SOFTPLUS)
-    return offs, mask, tl.where(mask, dt, 0.0), tl.where(mask, slope, 0.0)
-
-
-@triton.jit
 def load_chunk_dt_heads(dt_ptr, dt_bias_ptr, heads, head_mask, tok0, length, stride_dt_t, stride_dt_h,
                         dt_min, dt_max, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, CHUNK_PAD: tl.constexpr):
-    """load_chunk_dt for several heads at once: (offs, dt) with dt (CHUNK_PAD, heads), 0 at
-    padded positions and masked heads. The heads of a token are adjacent in a (t, h) dt, so
-    a block of them shares sectors where one head per program read 2 of every 32 bytes."""
+    """Discretised dt of one chunk for a block of heads, its slope d dt / d dt_raw, positions
+    and mask: (offs, mask, dt, slope), the last three (CHUNK_PAD, heads).
+
+    dt and slope are 0 at padded positions (>= length) and masked heads, so those neither
+    decay nor feed the state. The heads of a token are adjacent in a (t, h) dt, so a block of
+    them shares sectors where one head per program read 2 of every 32 bytes.
+    """
     offs = tl.arange(0, CHUNK_PAD)
     mask = (offs < length)[:, None] & head_mask[None, :]
     raw = tl.load(dt_ptr + (tok0 + offs)[:, None] * stride_dt_t + heads[None, :] * stride_dt_h, mask=mask,
                   other=0.0).to(tl.float32)
     if HAS_BIAS:
         raw += tl.load(dt_bias_ptr + heads, mask=head_mask, other=0.0).to(tl.float32)[None, :]
-    dt, unused_slope = discretise_dt(raw, dt_min, dt_max, SOFTPLUS)
-    return offs, tl.where(mask, dt, 0.0)
+    dt, slope = discretise_dt(raw, dt_min, dt_max, SOFTPLUS)
+    return offs, mask, tl.where(mask, dt, 0.0), tl.where(mask, slope, 0.0)
+
+
+@triton.jit
+def load_chunk_dt(dt_ptr, dt_bias_ptr, h, tok0, length, stride_dt_t, stride_dt_h, dt_min, dt_max,
+                  HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, CHUNK_PAD: tl.constexpr):
+    """load_chunk_dt_heads for the one head h: (offs, mask, dt, slope), each (CHUNK_PAD,)."""
+    heads = h + tl.arange(0, 1)
+    offs, mask, dt, slope = load_chunk_dt_heads(dt_ptr, dt_bias_ptr, heads, heads >= 0, tok0, length, stride_dt_t,
+                                                stride_dt_h, dt_min, dt_max, HAS_BIAS, SOFTPLUS, CHUNK_PAD)
+    return (offs, tl.reshape(mask, (CHUNK_PAD,)), tl.reshape(dt, (CHUNK_PAD,)),
+            tl.reshape(slope, (CHUNK_PAD,)))
 
 
 @triton.jit
