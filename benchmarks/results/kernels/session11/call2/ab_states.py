@@ -1,4 +1,7 @@
 """A/B of the SSD chunk-states kernel: old (nested loops, scratch/old_fwd.py) vs new (one flat loop).
+Recreate the modules it loads: `git show cf948bb:ssmshard/kernels/ssd_scan_fwd.py > scratch/old_fwd.py`,
+then `cp scratch/old_fwd.py scratch/new_fwd.py && patch scratch/new_fwd.py
+benchmarks/results/kernels/session11/call2/blockend_fwd.patch` (the block-end-decay variant).
 Device time (profiler) per call at the bench shapes, each autotuned; states compared."""
 import importlib.util, json, math, os, sys
 import torch
