@@ -263,6 +263,13 @@ PACKED_FAMILIES = ["mamba", "mamba2", "zamba2", "llama"]
 # 1.7e-6); the packed program's error is at most 11x that (Mamba-2: 8.7x). A state leaking
 # across a boundary moves gradients by O(1).
 _GRAD_TOLS = {"zamba2": (1e-4, 5e-4)}
+# On the GPU kernels, per tensor: the A_log gradient of a head is a sum over tokens whose terms
+# cancel, and the kernels' float32 rounding in it is about ten times the reference ops' (H200,
+# seed 917710232, against the float64 program on CPU: A_log 2.7e-5 one at a time, 1.8e-5
+# packed, against 1.7e-6 / 1.1e-6 on the float32 reference ops). Packed against one at a time
+# that reached 1.4e-4 to 1.6e-4 at that seed, varying between processes with the autotuner's
+# picks. The whole-vector bound stays at TOL; a leak moves gradients by O(1).
+_KERNEL_GRAD_TOLS = {"mamba2": (TOL, 5e-4), "zamba2": (1e-4, 5e-4)}
 
 
 @pytest.mark.parametrize("family", PACKED_FAMILIES)
@@ -299,11 +306,12 @@ def test_packed_program_on_the_kernels_equals_each_sequence_alone(family, fresh_
     if family != "llama":
         assert packed.kernel_report and all(r["kernel"] == "triton" for r in packed.kernel_report), \
             packed.kernel_report
-    _check_packed_equals_each_sequence_alone(family, model, unpacked, packed, fresh_seed, device="cuda")
+    _check_packed_equals_each_sequence_alone(family, model, unpacked, packed, fresh_seed, device="cuda",
+                                             grad_tols=_KERNEL_GRAD_TOLS.get(family))
 
 
 def _check_packed_equals_each_sequence_alone(family, model, unpacked, packed, fresh_seed, device="cpu",
-                                             pad_to_multiple_of=1):
+                                             pad_to_multiple_of=1, grad_tols=None):
     chunk = getattr(model.config, "chunk_size", 16)  # Mamba-2 / Zamba2 chunk edge; 16 elsewhere
     lengths = random_lengths(random.Random(fresh_seed), chunk)
     if pad_to_multiple_of > 1 and sum(lengths) % pad_to_multiple_of == 0:
@@ -343,7 +351,7 @@ def _check_packed_equals_each_sequence_alone(family, model, unpacked, packed, fr
     assert params == [k for k, spec in packed.param_specs.items() if spec.kind == "parameter"]
     got = torch.cat([packed_weights[k].grad.flatten() for k in params])
     want = torch.cat([unpacked_weights[k].grad.flatten() for k in params])
-    vector_tol, tensor_tol = _GRAD_TOLS.get(family, (TOL, 1e-4))
+    vector_tol, tensor_tol = grad_tols or _GRAD_TOLS.get(family, (TOL, 1e-4))
     error = rel_err(got, want)
     assert error < vector_tol, f"{family} gradients {error:.2e} {lengths} (seed {fresh_seed})"
     errors = {k: rel_err(packed_weights[k].grad, unpacked_weights[k].grad) for k in params}

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ssmshard.kernels.scan_common import softplus
+
 # Read at import, like @triton.jit does: kernels run under the CPU interpreter when set.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -110,15 +112,6 @@ def mma(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
         return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-
-
-@triton.jit
-def softplus(v):
-    """log(1 + exp(v)) without overflow; log1p of a small number by its series."""
-    u = tl.exp(-tl.abs(v))
-    # log(1 + u) loses digits for small u (1 + u rounds); four series terms are exact there.
-    series = u * (1.0 - u * (0.5 - u * (1.0 / 3.0 - 0.25 * u)))
-    return tl.maximum(v, 0.0) + tl.where(u < 1e-2, series, tl.log(1.0 + u))
 
 
 @triton.jit
