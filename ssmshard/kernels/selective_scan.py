@@ -134,7 +134,7 @@ def _sm_count(device: torch.device) -> int:
 # forward from 1.32 to 1.62 ms.
 _FWD_WARPS_PER_SM = 8
 _SPLIT_WARPS_PER_SM = 32
-_MIN_SEGMENT_TOKENS = 256
+_MIN_SEGMENT_TOKENS = 128
 # Register cap of the parallel backward on split sequences (on whole ones it slowed it).
 _SPLIT_BWD_MAXNREG = 168
 
@@ -159,7 +159,14 @@ def default_config(b: int, d: int, l: int, device: torch.device, packed: bool = 
     - forward tile on split rows (eighth session): 16 channels where the row is one sequence
       (B=1 d=5120, one run, CUDA-graph medians: L=2048 0.265 -> 0.250 ms, 16384 1.543 ->
       1.497 ms), 32 on packed rows (16 took the 16384-token row from 1.703 to 1.966 ms, in a
-      run that shared its host with a compile)."""
+      run that shared its host with a compile).
+    - segments of at least 128 tokens, not 256 (thirteenth session, B=1 d=5120, CUDA-graph
+      medians, ``benchmarks/sweep_scan_split.py``): L=2048 gets 16 segments instead of 8,
+      forward 0.2509 -> 0.2234 ms and forward+backward 1.321 -> 1.260 ms; L=4096 gets 22
+      instead of 16, forward 0.4242 -> 0.4199 ms, forward+backward 2.376 -> 2.353 ms; longer
+      rows keep their split. The sweep's times zigzag with the segment count (whole waves of
+      one-warp programs), reproducibly to about 1%: its best, 11 segments at L=2048
+      (0.2220 ms) and 13 at L=4096 (0.4001 ms), follow no rule this function could state."""
     warps = b * triton.cdiv(d, 32)
     sms = _sm_count(device)
     segments = 1
