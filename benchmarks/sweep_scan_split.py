@@ -10,6 +10,8 @@ The segment pass and the output pass are timed together, as ``selective_scan`` r
 Every config's y is checked against the default's (max relative difference, fp32 output).
 
 Writes JSON (default $OUT/sweep_scan_split.json) and prints one line per config.
+``--plot JSON`` draws an earlier run's JSON (forward time against segment count, one line per
+tile and cap, the peer and the default marked) to a PNG beside it, without a GPU.
 Dimension letters: b batch, d channels, l tokens, n state size.
 """
 
@@ -48,6 +50,33 @@ def fwd_bwd_times(inputs, cfg) -> dict:
             "graph_ms": graph_time(step)}
 
 
+def plot(path: str) -> str:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(path) as fh:
+        results = json.load(fh)
+    rows = results["rows"]
+    fig, axes = plt.subplots(1, len(rows), figsize=(4.2 * len(rows), 3.6), squeeze=False)
+    for ax, row in zip(axes[0], rows):
+        for block_d, cap in TILES:
+            points = sorted((c["segments"], c["graph_ms"]) for c in row["configs"]
+                            if c["block_d"] == block_d and c["maxnreg"] == cap)
+            if points:
+                ax.plot(*zip(*points), marker="o", ms=3, label=f"{block_d} ch" + (f", cap {cap}" if cap else ""))
+        if row.get("peer_graph_ms"):
+            ax.axhline(row["peer_graph_ms"], color="k", ls="--", lw=1, label="mamba-ssm")
+        ax.axhline(row["default_graph_ms"], color="grey", ls=":", lw=1, label="default")
+        ax.set(title=f"B=1 d={D_MODEL} L={row['l']}", xlabel="segments", ylabel="forward, CUDA graph (ms)")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"Mamba-1 forward at batch 1: row split ({results['device']})", fontsize=9)
+    fig.tight_layout()
+    out = os.path.splitext(path)[0] + ".png"
+    fig.savefig(out, dpi=120)
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None)
@@ -56,7 +85,11 @@ def main():
     parser.add_argument("--fwd-bwd-segments", type=int, nargs="*", default=[],
                         help="also time forward+backward (eager and from a CUDA graph) at the default's tile with "
                              "these nominal segment counts and the default's")
+    parser.add_argument("--plot", metavar="JSON", default=None, help="draw an earlier run's JSON and exit")
     args = parser.parse_args()
+    if args.plot:
+        print(f"wrote {plot(args.plot)}")
+        return
     out = args.out or os.path.join(os.environ.get("OUT", "."), "sweep_scan_split.json")
     device = torch.device("cuda")
     peer = None if args.no_mamba else mamba_ssm_scan()
