@@ -11,17 +11,25 @@ and dS_out the gradient reaching S_out from later chunks (or from the final stat
     dx_j    = dt_j G_j + D dy_j;      ddt_j (direct part) = x_j . G_j
     dB_j    = sum_h [ sum_{i >= j} exp(cs_i - cs_j) dt_j (dy_i . x_j) C_i + exp(cs_L - cs_j) dt_j x_j^T dS_out ]
     dC_i    = sum_h [ exp(cs_i) dy_i S_in + sum_{j <= i} exp(cs_i - cs_j) dt_j (dy_i . x_j) B_j ]
-The gradient of cs_t, by grouping the terms each exp() contributes, is
-    dcs_t = C_t . dC_t^(h) - dt_t ddt_t(direct) + [t = L] <dS_out, S_out>,
-(dC^(h): this head's share of dC) so the log-decays get da_t = sum_{i >= t} dcs_i, then
-ddt_t += A da_t and dA = sum_t dt_t da_t; dt's clamp and softplus are undone last.
+da_terms: the gradient of each log-decay a_t = dt_t A. Every exp() above holds the a_t of
+a stretch of the chunk, and each term is credited to the a_t of its own stretch:
+    da_t = sum_{i >= t} u_i + sum_{j < t <= i} M_ij + exp(cs_L) <dS_out, S_in> + sum_{j < t} w_j,
+    u_i  = exp(cs_i) C_i . (dy_i S_in)                     (S_in to output i: a_1..a_i)
+    M_ij = exp(cs_i - cs_j) (C_i . B_j) dt_j (dy_i . x_j)    (input j to output i: a_{j+1}..a_i)
+    w_j  = exp(cs_L - cs_j) dt_j x_j . (dS_out B_j)          (input j to S_out: a_{j+1}..a_L)
+then ddt_t += A da_t and dA = sum_t dt_t da_t; dt's clamp and softplus are undone last.
+Why not the shorter identity dcs_t = C_t . dC_t - dt_t ddt_t(direct) + [t = L] <dS_out,
+S_out> with da = suffix sums of dcs: it carries every pair (i, j) twice with opposite signs,
+and the float32 rounding of those large sums is left behind (dA's relative error about
+1e-5, up to 4e-4, against about 3e-7 for the form above, in a float32 model over 4 chunks:
+benchmarks/results/kernels/session13/offline/da_stable_form.py).
 
 Kernels (after the forward states are recomputed with ssd_chunk_states_kernel):
 1. ``ssd_state_grads_kernel``: dS_out for every chunk by a backward pass over each
-   sequence's chunks; also dz, dy, the dD partial sums and <dS_out, S_out>.
-2. ``ssd_dx_dB_kernel``: dx, direct ddt and dB for a block of columns j.
-3. ``ssd_dC_kernel``: dC and C . dC^(h) for a block of rows i.
-4. ``ssd_dt_grads_kernel``: dcs -> ddt, dA and d dt_bias partial sums.
+   sequence's chunks; also dz, dy, the dD partial sums and exp(cs_L) <dS_out, S_in>.
+2. ``ssd_dx_dB_kernel``: dx, direct ddt, w, the sums of M and dB for a block of columns j.
+3. ``ssd_dC_kernel``: dC and u for a block of rows i.
+4. ``ssd_dt_grads_kernel``: da -> ddt, dA and d dt_bias partial sums.
 dB and dC sum over the heads of a group; each program loops over a split of those heads
 and writes one partial per split, summed afterwards (deterministic, no atomics).
 """
@@ -51,7 +59,7 @@ from ssmshard.kernels.ssd_triton_common import (
 @triton.jit
 def ssd_state_grads_kernel(
     x_ptr, cs_ptr, C_ptr, z_ptr, ypre_ptr, dout_ptr,
-    states_ptr, final_ptr, dfinal_ptr,
+    states_ptr, dfinal_ptr,
     dstates_ptr, dinit_ptr, dz_ptr, dy_ptr, dD_part_ptr, ds_part_ptr,
     seq_first_chunk_ptr, chunk_start_ptr, chunk_len_ptr,
     n_tokens, n_slots, decay_stride, ds_slots, heads_per_group, headdim, dstate, chunk_size, tune_bucket,
@@ -66,7 +74,7 @@ def ssd_state_grads_kernel(
     """One program per (sequence, head, block of n), walking the sequence's chunks backwards.
 
     dstates[k, h] = dS_out of chunk k; ds_part[nb, k, h] = this n block's share of
-    <dS_out, S_out> (ds_slots >= the number of n blocks); dinit[s, h] = dS_in of the first
+    exp(cs_L) <dS_out, S_in> (ds_slots >= the number of n blocks); dinit[s, h] = dS_in of the first
     chunk. The programs of n block 0 also write dz, dy (= dout * silu(z), x's dtype) and
     dD_part[s, h, p] = sum_t dy x. Buffers written here (dz, dy) and ypre are contiguous (t, h, p).
     """
@@ -97,24 +105,19 @@ def ssd_state_grads_kernel(
     for r in range(last - first):
         k = last - 1 - r
         slot = tl.cast(k, tl.int64) * n_heads + h
-        # S_out: the final state for the last chunk, else the state entering chunk k + 1.
-        p_limit_final = tl.where(r == 0, headdim, 0)
-        S_final = tl.load(final_ptr + head_seq * state_size + offs_pn,
-                          mask=(offs_p < p_limit_final)[:, None] & mask_n[None, :], other=0.0)
-        S_next = tl.load(states_ptr + (slot + n_heads) * state_size + offs_pn,
-                         mask=(offs_p < headdim - p_limit_final)[:, None] & mask_n[None, :], other=0.0)
-        S_out = S_final + S_next.to(tl.float32)
-        tl.store(ds_part_ptr + (nb * n_slots + k) * n_heads + h, tl.sum(tl.sum(dS * S_out, 1), 0))
+        tok0 = tl.load(chunk_start_ptr + k).to(tl.int64)
+        length = tl.load(chunk_len_ptr + k)
+        cs_chunk = decay_row(cs_ptr, h, k, n_slots, decay_stride)
+        decay_all = tl.exp(tl.load(cs_chunk + length - 1))
+        # The path S_in -> S_out, whose exponent holds every a_t of the chunk (see da_terms).
+        S_in = tl.load(states_ptr + slot * state_size + offs_pn, mask=mask_pn, other=0.0).to(tl.float32)
+        tl.store(ds_part_ptr + (nb * n_slots + k) * n_heads + h, decay_all * tl.sum(tl.sum(dS * S_in, 1), 0))
         # Zero the slots of n blocks this launch does not have, so the result does not depend
         # on what an earlier launch with narrower blocks (an autotuning run) left there.
         for unused_nb in range(tl.where(nb == 0, tl.num_programs(2), ds_slots), ds_slots):
             tl.store(ds_part_ptr + (unused_nb * n_slots + k) * n_heads + h, 0.0)
         tl.store(dstates_ptr + slot * state_size + offs_pn, dS.to(dstates_ptr.dtype.element_ty), mask=mask_pn)
-
-        tok0 = tl.load(chunk_start_ptr + k).to(tl.int64)
-        length = tl.load(chunk_len_ptr + k)
-        cs_chunk = decay_row(cs_ptr, h, k, n_slots, decay_stride)
-        dS = dS * tl.exp(tl.load(cs_chunk + length - 1))
+        dS = dS * decay_all
         # Pointers to the chunk's first token; offsets inside the chunk stay int32.
         dout_chunk = dout_ptr + tok0 * stride_dout_t + h * stride_dout_h
         C_chunk = C_ptr + tok0 * stride_C_t + g * stride_C_g
@@ -150,7 +153,7 @@ def ssd_state_grads_kernel(
 @triton.jit
 def ssd_dx_dB_kernel(
     x_ptr, dtd_ptr, cs_ptr, B_ptr, C_ptr, D_ptr, dy_ptr, dstates_ptr,
-    dx_ptr, ddt_direct_ptr, dB_part_ptr,
+    dx_ptr, ddt_direct_ptr, w_row_ptr, da_part_ptr, dB_part_ptr,
     chunk_start_ptr, chunk_len_ptr,
     n_tokens, n_slots, decay_stride, n_heads, heads_per_group, heads_per_split, headdim, dstate, chunk_size,
     tune_bucket,
@@ -160,11 +163,19 @@ def ssd_dx_dB_kernel(
     stride_dy_t, stride_dy_h, stride_dy_p,
     HAS_D: tl.constexpr, D_PER_P: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK: tl.constexpr, PART_TOKENS: tl.constexpr,
 ):
     """A block of BLOCK columns j of chunk k, group g (axis 1), head split sp (axis 2).
 
-    dx (contiguous (t, h, p)), ddt_direct[h, t] = x_t . G_t, and dB_part[sp, t, g, :].
+    dx (contiguous (t, h, p)), ddt_direct[h, t] = x_t . G_t, w_row[h, t] = dt_t x_t . G_t's
+    share through S_out, da_part[j0 // PART_TOKENS, h, t] = the sums of the pairs M_ij with j
+    in this block and j < t <= i (see da_terms), and dB_part[sp, t, g, :].
+
+    The pairs: positions t of the block get those with j < t (an exclusive prefix over the
+    rows j, summed over i >= t); positions of a later block I get those of I with i >= t (a
+    suffix over i of M's column sums) plus every pair of the blocks after I (``later``: the
+    row blocks are walked last to first). da_part rows of other slots that a launch with
+    smaller blocks (an autotuning run) would have written are zeroed.
     """
     # Column block 0 has the longest run of rows after it: launch it first.
     k, tok0, length, j0, offs_j, mask_j = chunk_block(chunk_start_ptr, chunk_len_ptr, n_slots, chunk_size,
@@ -199,10 +210,17 @@ def ssd_dx_dB_kernel(
         to_end = tl.where(mask_j, tl.exp(cs_last - cs_j), 0.0)
         G = mma(B_j, tl.trans(dS_out), tl.zeros((BLOCK, BLOCK_P), tl.float32), DOT_PRECISION, UPCAST)
         G = G * to_end[:, None]
+        tl.store(w_row_ptr + tl.cast(h, tl.int64) * n_tokens + tok0 + offs_j,
+                 dt_j * tl.sum(G * x_j.to(tl.float32), 1), mask=mask_j)
         x_scaled = (x_j.to(tl.float32) * (to_end * dt_j)[:, None]).to(x_j.dtype)
         dB_acc = mma(x_scaled, dS_out, dB_acc, DOT_PRECISION, UPCAST)
-        # Paths through the outputs of rows i >= j of this chunk.
-        for i0 in range(j0, i_end, BLOCK):
+        da_row = da_part_ptr + (tl.cast(j0 // PART_TOKENS, tl.int64) * n_heads + h) * n_tokens + tok0
+        own = tl.zeros((BLOCK,), tl.float32)  # pair sums for the positions of this block
+        later = tl.sum(tl.zeros((BLOCK,), tl.float32), 0)
+        # Paths through the outputs of rows i >= j of this chunk, last row block first.
+        n_rows = tl.cdiv(i_end - j0, BLOCK)
+        for r in range(n_rows):
+            i0 = j0 + (n_rows - 1 - r) * BLOCK
             # (Triton keeps every name assigned before a loop as a loop variable: no "_" here.)
             offs_i, mask_i, cs_i, unused_dt_i = load_block_decay(cs_chunk, dtd_chunk, i0, length, BLOCK)
             C_i = load_tile(C_chunk, offs_i, mask_i, stride_C_t, offs_n, mask_n, stride_C_n)
@@ -212,7 +230,25 @@ def ssd_dx_dB_kernel(
             cb_t = mma(B_j, tl.trans(C_i), tl.zeros((BLOCK, BLOCK), tl.float32), DOT_PRECISION, UPCAST)
             G = mma((cb_t * decay).to(x_j.dtype), dy_i, G, DOT_PRECISION, UPCAST)
             dyx_t = mma(x_j, tl.trans(dy_i), tl.zeros((BLOCK, BLOCK), tl.float32), DOT_PRECISION, UPCAST)
-            dB_acc = mma((dyx_t * decay * dt_j[:, None]).to(C_i.dtype), C_i, dB_acc, DOT_PRECISION, UPCAST)
+            weight = dyx_t * decay * dt_j[:, None]
+            dB_acc = mma(weight.to(C_i.dtype), C_i, dB_acc, DOT_PRECISION, UPCAST)
+            pair = tl.where((offs_i[None, :] > offs_j[:, None]) & mask_j[:, None], weight * cb_t, 0.0)  # M^T: (j, i)
+            if i0 > j0:
+                # Every i of the block is >= every position t here: an exclusive prefix of row sums.
+                row_sums = tl.sum(pair, 1)
+                own += tl.cumsum(row_sums, 0) - row_sums
+                col = tl.sum(pair, 0)  # (i,): every j of this block
+                tl.store(da_row + offs_i, tl.cumsum(col, 0, reverse=True) + later, mask=mask_i)
+                later += tl.sum(col, 0)
+            else:
+                before = tl.cumsum(pair, 0) - pair  # [t, i]: the pairs with j < t, t a position of this block
+                own += tl.sum(tl.where(offs_i[None, :] >= offs_j[:, None], before, 0.0), 1)
+        tl.store(da_row + offs_j, own, mask=mask_j)
+        for extra in range(1, BLOCK // PART_TOKENS):
+            stale = da_row + extra * n_heads * n_tokens
+            for t0 in range(j0, i_end, BLOCK):
+                offs_t = t0 + tl.arange(0, BLOCK)
+                tl.store(stale + offs_t, tl.zeros((BLOCK,), tl.float32), mask=offs_t < length)
         dx = G * dt_j[:, None]
         if HAS_D:
             dy_j = load_tile(dy_chunk, offs_j, mask_j, stride_dy_t, offs_p, mask_p, stride_dy_p).to(tl.float32)
@@ -233,7 +269,7 @@ def ssd_dx_dB_kernel(
 @triton.jit
 def ssd_dC_kernel(
     x_ptr, dtd_ptr, cs_ptr, B_ptr, C_ptr, dy_ptr, states_ptr,
-    dcs_row_ptr, dC_part_ptr,
+    u_row_ptr, dC_part_ptr,
     chunk_start_ptr, chunk_len_ptr,
     n_tokens, n_slots, decay_stride, n_heads, heads_per_group, heads_per_split, headdim, dstate, chunk_size,
     tune_bucket,
@@ -246,7 +282,7 @@ def ssd_dC_kernel(
 ):
     """A block of BLOCK rows i of chunk k, group g (axis 1), head split sp (axis 2).
 
-    dC_part[sp, t, g, :] and dcs_row[h, t] = C_t . dC_t^(h).
+    dC_part[sp, t, g, :] and u_row[h, t] = C_t . (dC_t^(h)'s share through S_in) (see da_terms).
     """
     k, tok0, length, i0, offs_i, mask_i = chunk_block(chunk_start_ptr, chunk_len_ptr, n_slots, chunk_size,
                                                       BLOCK, True)
@@ -275,6 +311,7 @@ def ssd_dC_kernel(
                              offs_n, mask_n, 1)  # (p, n)
         dC_h = mma(dy_i, state_in, tl.zeros((BLOCK, BLOCK_N), tl.float32), DOT_PRECISION, UPCAST)
         dC_h = dC_h * tl.exp(cs_i)[:, None]
+        u = tl.sum(dC_h * C_i32, 1)  # the share through S_in, before the pairs join dC_h
         for j0 in range(0, j_end, BLOCK):
             offs_j, mask_j, cs_j, dt_j = load_block_decay(cs_chunk, dtd_chunk, j0, length, BLOCK)
             x_j = load_tile(x_chunk, offs_j, mask_j, stride_x_t, offs_p, mask_p, stride_x_p)
@@ -283,7 +320,7 @@ def ssd_dC_kernel(
             causal = (offs_i[:, None] >= offs_j[None, :]) & mask_j[None, :]
             decay = tl.exp(tl.where(causal, cs_i[:, None] - cs_j[None, :], -float("inf")))
             dC_h = mma((dyx * decay * dt_j[None, :]).to(B_j.dtype), B_j, dC_h, DOT_PRECISION, UPCAST)
-        tl.store(dcs_row_ptr + tl.cast(h, tl.int64) * n_tokens + tok0 + offs_i, tl.sum(dC_h * C_i32, 1), mask=mask_i)
+        tl.store(u_row_ptr + tl.cast(h, tl.int64) * n_tokens + tok0 + offs_i, u, mask=mask_i)
         dC_acc += dC_h
     dC_chunk = dC_part_ptr + ((tl.cast(sp, tl.int64) * n_tokens + tok0) * tl.num_programs(1) + g) * dstate
     tl.store(dC_chunk + offs_i[:, None] * (tl.num_programs(1) * dstate) + offs_n[None, :], dC_acc,
@@ -292,13 +329,14 @@ def ssd_dC_kernel(
 
 @triton.jit
 def ssd_dt_grads_kernel(
-    dt_ptr, A_ptr, dt_bias_ptr, ddt_direct_ptr, dcs_row_ptr, ds_ptr,
+    dt_ptr, A_ptr, dt_bias_ptr, ddt_direct_ptr, u_row_ptr, w_row_ptr, da_part_ptr, ds_ptr,
     ddt_ptr, dA_part_ptr, dbias_part_ptr,
     chunk_start_ptr, chunk_len_ptr,
-    n_tokens, stride_dt_t, stride_dt_h, dt_min, dt_max,
+    n_tokens, n_parts, stride_dt_t, stride_dt_h, dt_min, dt_max,
     HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, CHUNK_PAD: tl.constexpr,
 ):
-    """One program per (chunk, head): dcs -> da (suffix sums) -> ddt (contiguous (t, h)), dA, d dt_bias."""
+    """One program per (chunk, head): the terms of da (da_terms) -> ddt (contiguous (t, h)), dA,
+    d dt_bias."""
     k = tl.program_id(0)
     h = tl.program_id(1)
     n_heads = tl.num_programs(1)
@@ -307,14 +345,19 @@ def ssd_dt_grads_kernel(
     offs, mask, dt, slope = load_chunk_dt(dt_ptr, dt_bias_ptr, h, tok0, length, stride_dt_t, stride_dt_h,
                                           dt_min, dt_max, HAS_BIAS, SOFTPLUS, CHUNK_PAD)
     rows = tl.cast(h, tl.int64) * n_tokens + tok0 + offs
+    u = tl.load(u_row_ptr + rows, mask=mask, other=0.0)
+    w = tl.load(w_row_ptr + rows, mask=mask, other=0.0)
+    pairs = tl.zeros((CHUNK_PAD,), tl.float32)
+    for part in range(n_parts):  # the pairs, by block of j (ssd_dx_dB_kernel)
+        pairs += tl.load(da_part_ptr + tl.cast(part, tl.int64) * n_heads * n_tokens + rows, mask=mask, other=0.0)
+    da = (tl.cumsum(u, 0, reverse=True)  # through S_in: outputs i >= t
+          + pairs
+          + tl.load(ds_ptr + tl.cast(k, tl.int64) * n_heads + h)  # S_in -> S_out
+          + tl.cumsum(w, 0) - w)  # through S_out: inputs j < t
     ddt_direct = tl.load(ddt_direct_ptr + rows, mask=mask, other=0.0)
-    dcs = tl.load(dcs_row_ptr + rows, mask=mask, other=0.0) - dt * ddt_direct
-    dcs += tl.where(offs == length - 1, tl.load(ds_ptr + tl.cast(k, tl.int64) * n_heads + h), 0.0)
-    dcs = tl.where(mask, dcs, 0.0)
-    da = tl.sum(dcs, 0) - tl.cumsum(dcs, 0) + dcs  # sum over positions >= t
     ddt = (ddt_direct + tl.load(A_ptr + h).to(tl.float32) * da) * slope
     tl.store(ddt_ptr + (tok0 + offs) * n_heads + h, ddt.to(ddt_ptr.dtype.element_ty), mask=mask)
-    tl.store(dA_part_ptr + tl.cast(k, tl.int64) * n_heads + h, tl.sum(dt * da, 0))
+    tl.store(dA_part_ptr + tl.cast(k, tl.int64) * n_heads + h, tl.sum(tl.where(mask, dt * da, 0.0), 0))
     tl.store(dbias_part_ptr + tl.cast(k, tl.int64) * n_heads + h, tl.sum(ddt, 0))
 
 
@@ -398,7 +441,7 @@ def ssd_backward(dout, dfinal, x, dt, A, B, C, D, z, ypre, init, table: ChunkTab
     if dout is None:
         dout = torch.zeros(n_tok, h, p, device=dev, dtype=x.dtype)
     dtd, cs = run_dt_cumsum(dt, A, table, dt_args)
-    states, final = run_chunk_states(x, dtd, cs, B, init, table)
+    states, _ = run_chunk_states(x, dtd, cs, B, init, table)
     chunk_start, chunk_len, seq_first_chunk = table.tensors()
     modes = dot_modes(x.dtype)
     common = dict(n_tokens=n_tok, n_slots=table.n_slots, decay_stride=table.decay_stride, headdim=p, dstate=n,
@@ -417,7 +460,7 @@ def ssd_backward(dout, dfinal, x, dt, A, B, C, D, z, ypre, init, table: ChunkTab
     state_grads(
         lambda meta: (table.n_seqs, h, triton.cdiv(n, meta["BLOCK_N"])),
         x_ptr=x, C_ptr=C, z_ptr=z, ypre_ptr=ypre, dout_ptr=dout,
-        states_ptr=states, final_ptr=final, dfinal_ptr=dfinal,
+        states_ptr=states, dfinal_ptr=dfinal,
         dstates_ptr=dstates, dinit_ptr=dinit, dz_ptr=dz, dy_ptr=dy, dD_part_ptr=dD_part, ds_part_ptr=ds_part,
         seq_first_chunk_ptr=seq_first_chunk, ds_slots=ds_part.shape[0], heads_per_group=h // g,
         tune_bucket=(table.n_seqs * h).bit_length(),
@@ -447,24 +490,28 @@ def ssd_backward(dout, dfinal, x, dt, A, B, C, D, z, ypre, init, table: ChunkTab
         return (triton.cdiv(table.chunk_size, meta["BLOCK"]) * table.n_slots, g, n_splits)
 
     dx = torch.empty(n_tok, h, p, device=dev, dtype=x.dtype)
-    ddt_direct = torch.empty(h, n_tok, device=dev, dtype=f32)
+    ddt_direct, w_row, u_row = (torch.empty(h, n_tok, device=dev, dtype=f32) for _ in range(3))
+    # Pair sums per block of j, in units of the smallest block a config can have (_clamp_block).
+    part_tokens = min(32, next_pow2(table.chunk_size))
+    da_part = torch.zeros(triton.cdiv(table.chunk_size, part_tokens), h, n_tok, device=dev, dtype=f32)
     dB_part = torch.empty(n_splits, n_tok, g, n, device=dev, dtype=f32)
     dx_dB(
-        split_grid, D_ptr=D, dstates_ptr=dstates, dx_ptr=dx, ddt_direct_ptr=ddt_direct, dB_part_ptr=dB_part,
-        HAS_D=D is not None, D_PER_P=D is not None and D.dim() == 2, **split_args,
+        split_grid, D_ptr=D, dstates_ptr=dstates, dx_ptr=dx, ddt_direct_ptr=ddt_direct, w_row_ptr=w_row,
+        da_part_ptr=da_part, dB_part_ptr=dB_part, HAS_D=D is not None, D_PER_P=D is not None and D.dim() == 2,
+        PART_TOKENS=part_tokens, **split_args,
     )
 
-    dcs_row = torch.empty(h, n_tok, device=dev, dtype=f32)
     dC_part = torch.empty(n_splits, n_tok, g, n, device=dev, dtype=f32)
-    dC(split_grid, states_ptr=states, dcs_row_ptr=dcs_row, dC_part_ptr=dC_part, **split_args)
+    dC(split_grid, states_ptr=states, u_row_ptr=u_row, dC_part_ptr=dC_part, **split_args)
+
 
     ddt = torch.empty(n_tok, h, device=dev, dtype=dt.dtype)
     dA_part = torch.empty(table.n_slots, h, device=dev, dtype=f32)
     dbias_part = torch.empty(table.n_slots, h, device=dev, dtype=f32)
     ssd_dt_grads_kernel[(table.n_slots, h)](
-        dt, A, dt_args["dt_bias_ptr"], ddt_direct, dcs_row, ds_part.sum(0),
+        dt, A, dt_args["dt_bias_ptr"], ddt_direct, u_row, w_row, da_part, ds_part.sum(0),
         ddt, dA_part, dbias_part, chunk_start, chunk_len,
-        n_tok, dt.stride(0), dt.stride(1), dt_args["dt_min"], dt_args["dt_max"],
+        n_tok, da_part.shape[0], dt.stride(0), dt.stride(1), dt_args["dt_min"], dt_args["dt_max"],
         HAS_BIAS=dt_args["HAS_BIAS"], SOFTPLUS=dt_args["SOFTPLUS"],
         CHUNK_PAD=next_pow2(table.chunk_size), num_warps=4,
     )
