@@ -358,7 +358,7 @@ def ssd_dt_grads_kernel(
     ddt_direct = tl.load(ddt_direct_ptr + rows, mask=mask, other=0.0)
     ddt = (ddt_direct + tl.load(A_ptr + h).to(tl.float32) * da) * slope
     tl.store(ddt_ptr + (tok0 + offs) * n_heads + h, ddt.to(ddt_ptr.dtype.element_ty), mask=mask)
-    tl.store(dA_part_ptr + tl.cast(k, tl.int64) * n_heads + h, tl.sum(tl.where(mask, dt * da, 0.0), 0))
+    tl.store(dA_part_ptr + tl.cast(k, tl.int64) * n_heads + h, tl.sum(dt * da, 0))  # dt is 0 past the chunk
     tl.store(dbias_part_ptr + tl.cast(k, tl.int64) * n_heads + h, tl.sum(ddt, 0))
 
 
