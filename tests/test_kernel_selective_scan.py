@@ -182,6 +182,17 @@ def test_scan_segments(fresh_seed, variant):
     check_scan(inputs, softplus, cfg=ScanConfig(**{**VARIANTS[variant].__dict__, "segments": 3}))
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_scan_many_segments(fresh_seed, variant):
+    # More segments than one round of segment_carry_kernel's loads (UNROLL = 8), forwards and
+    # (the adjoint) backwards, the last round partly masked.
+    cfg = ScanConfig(**{**VARIANTS[variant].__dict__, "segments": 11})
+    l = 11 * 16 - 3
+    assert _segments(l, cfg)[0] == 11
+    inputs, softplus = make_scan_inputs(1, 4, l, 4, num_init=1)
+    check_scan(inputs, softplus, cfg=cfg)
+
+
 # Length-1 sequences, a boundary exactly on a chunk edge, an empty sequence, odd lengths.
 PACK = [0, 1, CHUNK, CHUNK + 1, CHUNK + 1, 2 * CHUNK + 3, 2 * CHUNK + 4, 3 * CHUNK + 1]
 

@@ -386,10 +386,12 @@ def _launch_forward(u, delta, A, B32, C32, D, z, delta_bias, softplus, seq_idx, 
     zs = z.stride() if z is not None else (0, 0, 0)
 
     def launch(carry, seg_end, seg_decay, with_output, ranges=None):
-        kernel[(g * triton.cdiv(e, block_d), bsz, num_segments)](
+        # The segment pass skips the last segment: no later segment reads its end state.
+        grid_segments = num_segments if with_output else num_segments - 1
+        kernel[(g * triton.cdiv(e, block_d), bsz, grid_segments)](
             u, delta, A, B32, C32, opt(D), opt(z), opt(delta_bias), opt(seq_idx), opt(initial_state),
             y, opt(final), opt(ckpt), opt(carry), opt(seg_end), opt(seg_decay), opt(ranges),
-            d, l, e, n, seg_len, cfg.chunk,
+            d, l, e, n, seg_len, num_segments, cfg.chunk,
             *u.stride(), *delta.stride(), *A.stride(), *B32.stride()[:3], *C32.stride()[:3], *zs,
             *y.stride(), *_state_strides(initial_state), *_state_strides(final),
             HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
@@ -406,11 +408,21 @@ def _launch_forward(u, delta, A, B32, C32, D, z, delta_bias, softplus, seq_idx, 
             torch.empty(bsz, num_segments, n, d, device=u.device, dtype=torch.float32) for _ in range(3)
         )
         launch(None, seg_end, seg_decay, with_output=False, ranges=pass_ranges)
-        block = 1024
-        segment_carry_kernel[(triton.cdiv(n * d, block), bsz)](
-            seg_end, seg_decay, carry, num_segments, n * d, BLOCK=block
-        )
+        _chain_segments(seg_end, seg_decay, carry, reverse=False)
     launch(carry, None, None, with_output=True)
+
+
+def _chain_segments(seg_end: Tensor, seg_decay: Tensor, carry: Tensor, reverse: bool) -> None:
+    """carry[:, s] = the state (or, reversed, the adjoint) entering segment s, from the segment
+    passes' (b, G, n, d) results. A kernel of its own: chaining inside the main passes (each
+    program folding the segments before its own) cost more, measured on an H200 at B=1 d=5120
+    L=2048: the training forward's main pass took 208 us with the chain against 167 us without,
+    where this kernel took 8.0 us before its loads were unrolled (benchmarks/results/kernels/session14)."""
+    bsz, num_segments, n, d = seg_end.shape
+    block = 1024
+    segment_carry_kernel[(triton.cdiv(n * d, block), bsz)](
+        seg_end, seg_decay, carry, num_segments, n * d, REVERSE=reverse, BLOCK=block, UNROLL=8
+    )
 
 
 def _new_states(num_seqs, d, n, like: Tensor, initial_state: Optional[Tensor]) -> Tensor:
@@ -546,9 +558,10 @@ def _backward(u, delta, A, B, C, D, z, delta_bias, initial_state, seq_idx, ckpt,
         scratch = torch.empty(grid[0] * bsz * num_segments * tiles * flags["N_PAD"] * cfg.bwd_block_d, **f32)
 
         def launch(carry, seg_lam, seg_decay, lam_only, ranges=None):
-            scan_bwd_parallel_kernel[grid](
+            # The adjoint-only pass skips segment 0: no earlier segment reads its lam.
+            scan_bwd_parallel_kernel[(grid[0], grid[1], num_segments - 1 if lam_only else num_segments)](
                 *common, scratch, opt(carry), opt(seg_lam), opt(seg_decay), opt(ranges), *grads.outputs(),
-                d, l, e, n, ckpt.shape[1], seg_len, cfg.chunk, grads.row_len, *strides,
+                d, l, e, n, ckpt.shape[1], seg_len, num_segments, cfg.chunk, grads.row_len, *strides,
                 HAS_CARRY=carry is not None, LAM_ONLY=lam_only, RANGED=ranges is not None,
                 BLOCK_D=cfg.bwd_block_d, T=cfg.bwd_tokens,
                 **_launch_options(cfg.bwd_warps, cfg.bwd_maxnreg), **flags,
@@ -557,15 +570,10 @@ def _backward(u, delta, A, B, C, D, z, delta_bias, initial_state, seq_idx, ckpt,
         carry = None
         if num_segments > 1:
             # lam entering each segment from the later one: each segment's adjoint from zero,
-            # then chained from the last segment backwards (the carry kernel runs forwards,
-            # so the segment axis is flipped around it).
-            seg_lam, seg_decay = (torch.empty(bsz, num_segments, n, d, **f32) for _ in range(2))
+            # then chained from the last segment backwards.
+            seg_lam, seg_decay, carry = (torch.empty(bsz, num_segments, n, d, **f32) for _ in range(3))
             launch(None, seg_lam, seg_decay, lam_only=True, ranges=lam_ranges)
-            carry = torch.empty_like(seg_lam)
-            segment_carry_kernel[(triton.cdiv(n * d, 1024), bsz)](
-                seg_lam.flip(1).contiguous(), seg_decay.flip(1).contiguous(), carry, num_segments, n * d, BLOCK=1024
-            )
-            carry = carry.flip(1).contiguous()
+            _chain_segments(seg_lam, seg_decay, carry, reverse=True)
         launch(carry, None, None, lam_only=False)
         return grads.reduced(A, B, C, D, delta_bias, initial_state)
 

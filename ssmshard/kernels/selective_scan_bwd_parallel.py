@@ -27,9 +27,9 @@ Per checkpoint chunk (walked from last to first):
 
 Segments (G > 1, for small b * d): segment s needs lam at the first token of segment s + 1.
 ``LAM_ONLY`` runs the adjoint alone over each segment from zero (it needs no states) and
-stores lam at the segment start and the segment's total decay; ``segment_carry_kernel``
-then chains them from the last segment backwards (the host flips the segment axis), and the
-main pass starts each segment from its carry.
+stores lam at the segment start and the segment's total decay (segment 0's is never read, so
+that pass skips it); ``segment_carry_kernel`` then chains them from the last segment
+backwards, and the main pass starts each segment from its carry.
 
 Packed sequences: no flow from a sequence's first token back into the previous sequence
 (a_{t+1} = 0 at a sequence end), the final-state gradient joins the source at the
@@ -80,7 +80,7 @@ def scan_bwd_parallel_kernel(
     dy_ptr, dfinal_ptr, ckpt_ptr, scratch_ptr, carry_ptr, seg_lam_ptr, seg_decay_ptr, range_ptr,
     du_ptr, ddelta_ptr, dz_ptr, dB_part_ptr, dC_part_ptr, dA_part_ptr, dD_part_ptr,
     dbias_part_ptr, dinit_ptr,
-    d, l, e, n, num_chunks, seg_len, chunk, row_len,
+    d, l, e, n, num_chunks, seg_len, num_segments, chunk, row_len,
     su_b, su_d, su_l,
     sdl_b, sdl_d, sdl_l,
     sA_d, sA_n,
@@ -105,8 +105,9 @@ def scan_bwd_parallel_kernel(
     pid_blk = tl.program_id(0)
     pid_b = tl.program_id(1)
     pid_seg = tl.program_id(2)
+    if LAM_ONLY:
+        pid_seg += 1  # segment 0 is skipped: no earlier segment reads its lam
     num_blocks = tl.num_programs(0)
-    num_segments = tl.num_programs(2)
     blocks_per_group = tl.cdiv(e, BLOCK_D)
     grp = pid_blk // blocks_per_group
     blk = pid_blk % blocks_per_group
@@ -160,7 +161,7 @@ def scan_bwd_parallel_kernel(
     dA_acc = tl.zeros((BLOCK_D, N_PAD), dtype=tl.float32)
     dD_acc = tl.zeros((BLOCK_D, 1), dtype=tl.float32)
     dbias_acc = tl.zeros((BLOCK_D, 1), dtype=tl.float32)
-    dt_next_sum = tl.zeros((BLOCK_D, 1), dtype=tl.float32)  # LAM_ONLY: the segment's total decay
+    dt_next_sum = tl.zeros((BLOCK_D, T, 1), dtype=tl.float32)  # LAM_ONLY: the segment's total decay
     cut = pid_seg < 0  # a scalar False; LAM_ONLY: a sequence ends inside the segment
 
     k_first = t_begin // chunk
@@ -215,7 +216,7 @@ def scan_bwd_parallel_kernel(
                 lam, lam_next = _adjoint(lam_next, dt_next, A2, C, dy_ssm, tv3, seq, is_end, ch3, n3, state_mask,
                                          dfinal_ptr, sdf_s, sdf_d, sdf_n, PACKED, HAS_DFINAL, T)
                 if LAM_ONLY:
-                    dt_next_sum += tl.sum(tl.sum(dt_next, axis=2), axis=1, keep_dims=True)
+                    dt_next_sum += dt_next  # reduced once after the loop, not per tile
                     if PACKED:
                         cut = cut | (tl.max(is_end.to(tl.int32), axis=0) > 0)
                 else:
@@ -258,7 +259,7 @@ def scan_bwd_parallel_kernel(
     seg_state = seg_row * n * d + state_ptrs
     if LAM_ONLY:
         tl.store(seg_lam_ptr + seg_state, lam_next, mask=state_mask)
-        decay = tl.where(cut, 0.0, tl.exp2(A2_2d * dt_next_sum))
+        decay = tl.where(cut, 0.0, tl.exp2(A2_2d * tl.sum(tl.sum(dt_next_sum, axis=2), axis=1, keep_dims=True)))
         tl.store(seg_decay_ptr + seg_state, decay, mask=state_mask)
     else:
         rows = seg_row * d + ch64

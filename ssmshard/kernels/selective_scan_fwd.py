@@ -153,7 +153,7 @@ def _advance(
 def scan_fwd_kernel(
     u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, seq_ptr, init_ptr,
     y_ptr, final_ptr, ckpt_ptr, carry_ptr, seg_end_ptr, seg_decay_ptr, range_ptr,
-    d, l, e, n, seg_len, ckpt_chunk,
+    d, l, e, n, seg_len, num_segments, ckpt_chunk: tl.constexpr,
     su_b, su_d, su_l,
     sdl_b, sdl_d, sdl_l,
     sA_d, sA_n,
@@ -172,7 +172,8 @@ def scan_fwd_kernel(
 
     WITH_OUTPUT: write y (and checkpoints, final states); the segment starts from
     carry[b, G, n, d] when HAS_CARRY, else from 0. Without it (segment pass 1): start from 0
-    and write only the segment's end state and total decay, both (b, G, n, d) fp32.
+    and write only the segment's end state and total decay, both (b, G, n, d) fp32
+    (G = num_segments; pass 1 skips the last segment, whose end nothing reads).
     RANGED (segment pass on packed rows): walk only tokens [lo, hi) of range[G, 2] (see
     ``selective_scan._segment_pass_ranges``), from the tile holding lo.
     B and C are fp32 with unit stride along l.
@@ -189,7 +190,6 @@ def scan_fwd_kernel(
     b64 = pid_b.to(tl.int64)
     tv = tl.arange(0, V)
     cols = tl.arange(0, N_PAD)
-    num_segments = tl.num_programs(2)
     seg_state_rows = (b64 * num_segments + pid_seg) * n * d + ch64  # into (b, G, n, d)
 
     u_rows = u_ptr + b64 * su_b + ch64[:, None] * su_d  # (BLOCK_D, 1) row pointers
@@ -256,19 +256,27 @@ def scan_fwd_kernel(
 
 @triton.jit
 def segment_carry_kernel(seg_end_ptr, seg_decay_ptr, carry_ptr, num_segments, per_row,
-                         BLOCK: tl.constexpr):
-    """carry[s] = state entering segment s: 0 for s = 0, then end[s-1] + decay[s-1] * carry[s-1].
+                         REVERSE: tl.constexpr, BLOCK: tl.constexpr, UNROLL: tl.constexpr):
+    """carry[s] = the state entering segment s: 0 for s = 0, then end[s-1] + decay[s-1] * carry[s-1].
+    REVERSE walks the segments last to first (the backward's adjoint): carry[G-1] = 0, then
+    carry[s] = end[s+1] + decay[s+1] * carry[s+1]. The segment the walk ends on is never read
+    (the segment passes skip it).
 
     All three tensors are (b, G, n, d) fp32; one program handles BLOCK of the n * d values of
-    one batch row, sequentially over the segments.
+    one batch row. The chain is sequential, so its loads come UNROLL segments at a time: a
+    program then waits one memory latency per UNROLL segments rather than one per segment.
     """
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < per_row
     b64 = tl.program_id(1).to(tl.int64)
     h = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(num_segments):
-        base = (b64 * num_segments + s) * per_row
-        tl.store(carry_ptr + base + offs, h, mask=mask)
-        end = tl.load(seg_end_ptr + base + offs, mask=mask, other=0.0)
-        decay = tl.load(seg_decay_ptr + base + offs, mask=mask, other=0.0)
-        h = end + decay * h
+    for k0 in range(0, num_segments, UNROLL):
+        for kk in tl.static_range(UNROLL):
+            k = k0 + kk  # the k-th segment of the walk
+            s = num_segments - 1 - k if REVERSE else k
+            base = (b64 * num_segments + s) * per_row + offs
+            tl.store(carry_ptr + base, h, mask=tl.where(k < num_segments, mask, False))
+            # Past the walk's last segment: the identity step (end 0, decay 1).
+            feeds = tl.where(k < num_segments - 1, mask, False)
+            end = tl.load(seg_end_ptr + base, mask=feeds, other=0.0)
+            h = end + tl.load(seg_decay_ptr + base, mask=feeds, other=1.0) * h

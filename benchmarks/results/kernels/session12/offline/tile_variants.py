@@ -35,7 +35,7 @@ KERNEL_FLAGS = {
 }
 
 
-def compile_tile(fn, constants, warps, stages=None):
+def compile_tile(fn, constants, warps, stages=None, maxnreg=None):
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constants:
@@ -48,7 +48,7 @@ def compile_tile(fn, constants, warps, stages=None):
         else:
             signature[name] = "i32"
             attrs[(i,)] = [["tt.divisibility", 16]]
-    options = {"num_warps": warps, **({"num_stages": stages} if stages else {})}
+    options = {"num_warps": warps, **({"num_stages": stages} if stages else {}), **({"maxnreg": maxnreg} if maxnreg else {})}
     return triton.compile(ASTSource(fn, signature, constexprs=constants, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32), options=options)
 
