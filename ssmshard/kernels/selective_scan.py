@@ -563,7 +563,8 @@ def _backward(u, delta, A, B, C, D, z, delta_bias, initial_state, seq_idx, ckpt,
                 *common, scratch, opt(carry), opt(seg_lam), opt(seg_decay), opt(ranges), *grads.outputs(),
                 d, l, e, n, ckpt.shape[1], seg_len, num_segments, cfg.chunk, grads.row_len, *strides,
                 HAS_CARRY=carry is not None, LAM_ONLY=lam_only, RANGED=ranges is not None,
-                BLOCK_D=cfg.bwd_block_d, T=cfg.bwd_tokens,
+                # Loading a tile ahead pays only with registers to spare (see the kernel).
+                BLOCK_D=cfg.bwd_block_d, T=cfg.bwd_tokens, PREFETCH=cfg.bwd_maxnreg is None,
                 **_launch_options(cfg.bwd_warps, cfg.bwd_maxnreg), **flags,
             )
 

@@ -20,9 +20,11 @@ FLAGS = dict(HAS_D=True, HAS_Z=True, HAS_BIAS=True, SOFTPLUS=True, PACKED=False,
              HAS_DFINAL=False, BLOCK_D=8, T=4)
 def compile_one(constants, maxnreg):
     return compile_tile(fn, constants, 1, maxnreg=maxnreg)
-for label, flags, cap in [("main carry cap168", dict(HAS_CARRY=True, LAM_ONLY=False), 168),
-                          ("main nocarry", dict(HAS_CARRY=False, LAM_ONLY=False), None),
-                          ("lam_only cap168", dict(HAS_CARRY=False, LAM_ONLY=True), 168)]:
+for label, flags, cap in [("main carry cap168", dict(HAS_CARRY=True, LAM_ONLY=False, PREFETCH=False), 168),
+                          ("main nocarry", dict(HAS_CARRY=False, LAM_ONLY=False, PREFETCH=True), None),
+                          ("main nocarry, no prefetch", dict(HAS_CARRY=False, LAM_ONLY=False, PREFETCH=False), None),
+                          ("lam_only cap168", dict(HAS_CARRY=False, LAM_ONLY=True, PREFETCH=False), 168)]:
+    flags = {k: v for k, v in flags.items() if k in fn.arg_names}  # older trees have no PREFETCH
     k = compile_one({**FLAGS, **flags}, cap)
     sass = get_sass(k.asm["cubin"])
     body = loops(sass)
