@@ -1,3 +1,10 @@
+"""Are the register-capped parallel backward's loops unchanged by the PREFETCH switch? Compiles the main
+pass (with a carry) and the adjoint-only pass at the 168-register cap for sm_90 from an older tree and from
+this one, and compares their loops' opcode streams (registers and immediates masked).
+
+    git archive 70c976c ssmshard | tar -x -C scratch/old
+    PYTHONPATH=<triton 3.6.0> python benchmarks/results/kernels/session14/offline/bwd_capped_sass_cmp.py
+"""
 import os, sys, importlib, warnings, re
 os.environ.pop("TRITON_INTERPRET", None)
 warnings.filterwarnings("ignore")
