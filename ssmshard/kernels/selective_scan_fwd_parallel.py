@@ -132,7 +132,9 @@ def _tile_step(
     if not WITH_OUTPUT:
         # Segment pass: the segment's total decay is exp(A * sum dt), or 0 once it restarts.
         # Summed per token position and reduced once after the loop: a reduction per tile
-        # costs shuffles. Only packed rows restart (a scalar reduction per tile too).
+        # costs shuffles. Only packed rows test for restarts (a scalar reduction per tile too):
+        # an unpacked row starts only at token 0, and no carry reads segment 0's decay (it
+        # multiplies the zero state entering the row).
         dt_sum += dt
         if PACKED:
             restarted = restarted | (tl.max(is_start.to(tl.int32), axis=0) > 0)
