@@ -98,7 +98,7 @@ def _load_u_delta(t0, go, tv, l, ch_mask, u_rows, su_l, delta_rows, sdl_l, WHOLE
 @triton.jit
 def _tile_step(
     t0, u, delta, state, dt_sum, restarted, A3, bias3, ch, ch64, ch_mask, nv, n_mask, tv, b64,
-    u_rows, su_l, delta_rows, sdl_l, z_rows, sz_l, y_rows, sy_l, B_row, C_row, sB_n, sC_n,
+    z_rows, sz_l, y_rows, sy_l, B_row, C_row, sB_n, sC_n,
     D_ptr, seq_ptr, l, n, d,
     init_ptr, si_s, si_d, si_n, final_ptr, sf_s, sf_d, sf_n, ckpt_ptr, ckpt_chunk,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, SOFTPLUS: tl.constexpr, PACKED: tl.constexpr,
@@ -261,7 +261,7 @@ def scan_fwd_parallel_kernel(
                 tl.multiple_of(t_begin + (first + k) * T, T), u, delta, state, dt_sum, restarted,
                 A2[:, None, :], bias[:, None, None],
                 ch, ch64, ch_mask, nv, n_mask, tv, b64,
-                u_rows, su_l, delta_rows, sdl_l, z_rows, sz_l, y_rows, sy_l, B_row, C_row, sB_n, sC_n,
+                z_rows, sz_l, y_rows, sy_l, B_row, C_row, sB_n, sC_n,
                 D_ptr, seq_ptr, l, n, d,
                 init_ptr, si_s, si_d, si_n, final_ptr, sf_s, sf_d, sf_n, ckpt_ptr, ckpt_chunk,
                 HAS_D, HAS_Z, SOFTPLUS, PACKED, HAS_INIT, STORE_FINAL, STORE_CKPT, WITH_OUTPUT, T, phase == 0,

@@ -505,7 +505,6 @@ def ssd_backward(dout, dfinal, x, dt, A, B, C, D, z, ypre, init, table: ChunkTab
     dC_part = torch.empty(n_splits, n_tok, g, n, device=dev, dtype=f32)
     dC(split_grid, states_ptr=states, u_row_ptr=u_row, dC_part_ptr=dC_part, **split_args)
 
-
     ddt = torch.empty(n_tok, h, device=dev, dtype=dt.dtype)
     dA_part = torch.empty(table.n_slots, h, device=dev, dtype=f32)
     dbias_part = torch.empty(table.n_slots, h, device=dev, dtype=f32)
