@@ -93,27 +93,28 @@ def test_each_scan_is_one_node():
         assert program_for(family, "forward").op_counts()[op] == count, family
 
 
-def test_meta_capture_of_a_64_layer_model_is_fast_and_allocates_no_weights():
+def test_meta_capture_of_a_64_layer_model_allocates_no_weights():
     # A subprocess, so its peak memory is the capture's alone. The fp32 weights of this config
-    # would take ~11 GB; the whole process must stay far below that.
+    # would take ~11 GB; the whole process must stay far below that. How long the capture takes
+    # is measured by benchmarks/bench_capture.py, not asserted here: wall time on a shared
+    # 2-core CI machine is not a correctness property.
     script = textwrap.dedent("""
-        import resource, time, torch, ssmshard
+        import resource, torch, ssmshard
         from transformers import MambaConfig, MambaForCausalLM
         config = MambaConfig(vocab_size=50280, hidden_size=2560, num_hidden_layers=64, state_size=16)
         with torch.device("meta"):
             model = MambaForCausalLM(config)
-        started = time.perf_counter()
         program = ssmshard.capture(model)
-        seconds = time.perf_counter() - started
         assert all(p.device.type == "meta" for p in model.parameters())
         assert program.weights is None
         n_params = sum(p.numel() for p in model.parameters())
-        print(seconds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, n_params)
+        n_scans = program.op_counts()["ssmshard.selective_scan"]
+        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, n_params, n_scans)
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
-    seconds, peak_gb, n_params = (float(x) for x in out.stdout.split())
+    peak_gb, n_params, n_scans = (float(x) for x in out.stdout.split())
     assert n_params > 2.5e9
-    assert seconds < 10, f"capture took {seconds:.1f}s"
+    assert n_scans == 64
     assert peak_gb < 2.0, f"peak RSS {peak_gb:.2f} GB: capture materialised weights"
 
 
