@@ -22,10 +22,11 @@ TP4_FAMILIES = ["mamba2", "zamba2", "llama"]
                          ids=["1", "2", "4"])
 def test_generate_matches_hf_generate_and_states_are_sharded(tp, families, tmp_path, fresh_seed):
     """Greedy: exactly HF's tokens for 3 left-padded prompts of different lengths, 20 new tokens,
-    all six families (at tp = 4, ``TP4_FAMILIES``). Sampling with a fixed seed (Mamba-2 and Zamba2, to keep the test short):
-    the same tokens on every rank and as HF's sampling from the same seed (so tp = 2, 4 equal
-    tp = 1 too). Each rank's SSM/KV state tensors hold 1/tp of the channels or heads. Chunked
-    prefill (Mamba, Zamba, Zamba2) gives each rank the local states and logits of one shot."""
+    all six families (at tp = 4, ``TP4_FAMILIES``). Sampling with a fixed seed (Mamba-2 and
+    Zamba2, to keep the test short): the same tokens on every rank and as HF's sampling from
+    the same seed (so tp = 2, 4 equal tp = 1 too). Each rank's SSM/KV state tensors hold 1/tp
+    of the channels or heads. Chunked prefill (Mamba, Zamba, Zamba2) gives each rank the local
+    states and logits of one shot."""
     out = tmp_path / "generate.json"
     ssmshard.launch(generate_worker.generate_results, tp, families, fresh_seed, str(out))
     results = json.loads(out.read_text())
