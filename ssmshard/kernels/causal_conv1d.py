@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ssmshard.kernels.launch_math import cdiv, next_power_of_2
 from ssmshard.kernels.reference import check_activation
 
 MAX_WIDTH = 8  # widest conv supported: the tile's group must hold k tokens
@@ -476,10 +477,6 @@ class TileConfig:
     channels_last: bool
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def default_tile_config(x: Tensor, width: int, backward: bool = False) -> TileConfig:
     """Tiles whose group axis sits in one thread's registers for x's memory layout."""
     vector = 16 // x.element_size()  # elements of one 16-byte access
@@ -487,22 +484,22 @@ def default_tile_config(x: Tensor, width: int, backward: bool = False) -> TileCo
     if x.device.type != "cuda":
         # Triton's CPU interpreter: layouts don't exist and every op costs the same whatever
         # its size, so few large programs run fastest.
-        group = max(4, _next_pow2(width))
-        block_l = group * min(16, _next_pow2(triton.cdiv(x.shape[2], group)))
-        return TileConfig(min(32, _next_pow2(x.shape[1])), block_l, group, 1, channels_last)
+        group = max(4, next_power_of_2(width))
+        block_l = group * min(16, next_power_of_2(cdiv(x.shape[2], group)))
+        return TileConfig(min(32, next_power_of_2(x.shape[1])), block_l, group, 1, channels_last)
     if channels_last:
         # Channels contiguous: tile (c, r, d) with one group (r = 1) and every lane of every
         # warp along channels, so the group axis c is registers whatever order the compiler
         # gives the other axes. Programs loop over token tiles (see tiles_per_program).
         # Warp count: the one that leaves fewest channel lanes idle.
-        group = max(4, _next_pow2(width))
+        group = max(4, next_power_of_2(width))
         d, lanes_d = x.shape[1], 32 * vector
         num_warps = min((4, 2, 1), key=lambda w: (-(-d // (lanes_d * w)) * lanes_d * w - d, -w))
         return TileConfig(lanes_d * num_warps, group, group, num_warps, True)
     # Tokens contiguous (or no unit stride at all): tile (d, r, c) with one channel (d = 1),
     # a thread's group one 16-byte vector of tokens, lanes and warps along groups (again
     # the only axis they can go to), two groups per thread.
-    group = max(vector, _next_pow2(width))
+    group = max(vector, next_power_of_2(width))
     return TileConfig(1, 2 * 32 * 4 * group, group, 4, False)
 
 
@@ -604,7 +601,7 @@ def conv_forward(x, weight, bias, activation, cu_seqlens, initial_states, return
     cu = cu_seqlens if cu_seqlens is not None else x
     # Channels-last tiles are one group long: loop so the shifted re-read hits L1.
     tiles = tiles_per_program(config, bsz, d, l, target_programs=2048) if config.channels_last else 1
-    grid = (triton.cdiv(triton.cdiv(l, config.block_l), tiles), triton.cdiv(d, config.block_d), bsz)
+    grid = (cdiv(cdiv(l, config.block_l), tiles), cdiv(d, config.block_d), bsz)
     _conv_forward_kernel[grid](
         x, *x.stride(), weight, *weight.stride(), bias if bias is not None else x,
         init, sis, sid, sik, cu, n_seqs, out, *out.stride(), d, l, tiles,
@@ -617,9 +614,9 @@ def conv_forward(x, weight, bias, activation, cu_seqlens, initial_states, return
     if return_final_states:
         final = x.new_empty(n_seqs, d, k - 1)
         block_d = 128
-        _final_states_kernel[(n_seqs, triton.cdiv(d, block_d))](
+        _final_states_kernel[(n_seqs, cdiv(d, block_d))](
             x, *x.stride(), init, sis, sid, sik, cu, final, *final.stride(), d, l,
-            K=k, SLOTS=_next_pow2(k - 1), BLOCK_D=block_d,
+            K=k, SLOTS=next_power_of_2(k - 1), BLOCK_D=block_d,
             HAS_INIT=initial_states is not None, PACKED=cu_seqlens is not None, num_warps=4,
         )
     return out, final
@@ -628,10 +625,10 @@ def conv_forward(x, weight, bias, activation, cu_seqlens, initial_states, return
 def tiles_per_program(config: TileConfig, bsz: int, d: int, l: int, target_programs: int) -> int:
     """Token tiles each program loops over: about ``target_programs`` programs in all, and
     the tiles split evenly between the programs of a row."""
-    tiles_l = triton.cdiv(l, config.block_l)
-    programs_without_loop = tiles_l * bsz * triton.cdiv(d, config.block_d)
+    tiles_l = cdiv(l, config.block_l)
+    programs_without_loop = tiles_l * bsz * cdiv(d, config.block_d)
     tiles = max(1, min(tiles_l, programs_without_loop // target_programs))
-    return triton.cdiv(tiles_l, triton.cdiv(tiles_l, tiles))
+    return cdiv(tiles_l, cdiv(tiles_l, tiles))
 
 
 def _in_tile_layout(t: Tensor, config: TileConfig) -> Tensor:
@@ -662,7 +659,7 @@ def conv_backward(x, weight, bias, activation, cu_seqlens, initial_states, grad_
     grad_out = _in_tile_layout(grad_out, config)
     # Backward programs keep dweight partial sums: looping over tiles keeps their rows few.
     tiles = tiles_per_program(config, bsz, d, l, target_programs=4096)
-    programs_l = triton.cdiv(triton.cdiv(l, config.block_l), tiles)
+    programs_l = cdiv(cdiv(l, config.block_l), tiles)
     main_parts = bsz * programs_l
     parts = main_parts + (n_seqs if initial_states is not None else 0)
     dw_part = torch.empty(parts, d, k, device=x.device, dtype=torch.float32)
@@ -675,7 +672,7 @@ def conv_backward(x, weight, bias, activation, cu_seqlens, initial_states, grad_
     gfin, sfs, sfd, sfk = _init_args(grad_final, x)
     flags = dict(HAS_BIAS=bias is not None, PACKED=cu_seqlens is not None,
                  HAS_GFIN=grad_final is not None, SILU=activation is not None)
-    _conv_backward_kernel[(programs_l, triton.cdiv(d, config.block_d), bsz)](
+    _conv_backward_kernel[(programs_l, cdiv(d, config.block_d), bsz)](
         x, *x.stride(), weight, *weight.stride(), bias if bias is not None else x,
         init, sis, sid, sik, cu, n_seqs, grad_out, *grad_out.stride(), gfin, sfs, sfd, sfk,
         dx, *dx.stride(), dw_part, dbias_part, d, l, tiles,
@@ -687,11 +684,11 @@ def conv_backward(x, weight, bias, activation, cu_seqlens, initial_states, grad_
     if initial_states is not None:
         dinit = torch.empty(n_seqs, d, k - 1, device=x.device, dtype=torch.float32)
         block_d = 64
-        _initial_state_backward_kernel[(n_seqs, triton.cdiv(d, block_d))](
+        _initial_state_backward_kernel[(n_seqs, cdiv(d, block_d))](
             x, *x.stride(), weight, *weight.stride(), bias if bias is not None else x,
             init, sis, sid, sik, cu, grad_out, *grad_out.stride(), gfin, sfs, sfd, sfk,
             dinit, dw_part, main_parts, d, l,
-            K=k, SLOTS=_next_pow2(k - 1), BLOCK_D=block_d, num_warps=4, **flags,
+            K=k, SLOTS=next_power_of_2(k - 1), BLOCK_D=block_d, num_warps=4, **flags,
         )
         dinit = dinit.to(initial_states.dtype)
     dweight = dw_part.sum(0).to(weight.dtype)
@@ -793,10 +790,10 @@ def causal_conv1d_update(
         raise ValueError("out_state must match conv_state's shape, dtype and device")
     out = torch.empty_like(x3)
     block_d = 128
-    _conv_update_kernel[(bsz, triton.cdiv(d, block_d))](
+    _conv_update_kernel[(bsz, cdiv(d, block_d))](
         x3, *x3.stride(), conv_state, *conv_state.stride(), weight, *weight.stride(),
         bias if bias is not None else x3, out, *out.stride(), out_state, *out_state.stride(),
-        d, l, s, K=k, TOKENS=_next_pow2(l), SLOTS=_next_pow2(s), BLOCK_D=block_d,
+        d, l, s, K=k, TOKENS=next_power_of_2(l), SLOTS=next_power_of_2(s), BLOCK_D=block_d,
         HAS_BIAS=bias is not None, SILU=activation is not None, num_warps=4,
     )
     return (out.squeeze(-1) if one_token else out), out_state

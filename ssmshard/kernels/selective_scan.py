@@ -34,14 +34,15 @@ too is compute bound.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import triton
 from torch import Tensor
 
+from ssmshard.kernels.launch_math import cdiv, next_power_of_2, sm_count
 from ssmshard.kernels.selective_scan_bwd import scan_bwd_kernel
 from ssmshard.kernels.selective_scan_bwd_parallel import scan_bwd_parallel_kernel
 from ssmshard.kernels.selective_scan_fwd import scan_fwd_kernel, segment_carry_kernel
@@ -121,12 +122,6 @@ class ScanConfig:
             raise ValueError(f"ScanConfig.bwd_tokens ({self.bwd_tokens}) must not exceed chunk ({self.chunk})")
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 1
-
-
 # Below this many forward warps per SM the sequence is split into segments (each at least
 # _MIN_SEGMENT_TOKENS long), as many as give _SPLIT_WARPS_PER_SM warps per SM. A split costs a
 # second pass over each segment (from a zero state, without output), so it pays only when the
@@ -167,15 +162,27 @@ def default_config(b: int, d: int, l: int, device: torch.device, packed: bool = 
       rows keep their split. The sweep's times zigzag with the segment count (whole waves of
       one-warp programs), reproducibly to about 1%: its best, 11 segments at L=2048
       (0.2220 ms) and 13 at L=4096 (0.4001 ms), follow no rule this function could state."""
-    warps = b * triton.cdiv(d, 32)
-    sms = _sm_count(device)
+    if type(b) is int and type(d) is int and type(l) is int:  # not symbolic sizes (tracing): cacheable
+        return _cached_config(b, d, l, device, packed)
+    return _pick_config(b, d, l, device, packed)
+
+
+def _pick_config(b: int, d: int, l: int, device: torch.device, packed: bool) -> ScanConfig:
+    """``default_config``'s pick, uncached."""
+    warps = b * cdiv(d, 32)
+    sms = sm_count(device)
     segments = 1
     if warps < _FWD_WARPS_PER_SM * sms:
-        segments = max(1, min(triton.cdiv(_SPLIT_WARPS_PER_SM * sms, warps), l // _MIN_SEGMENT_TOKENS))
+        segments = max(1, min(cdiv(_SPLIT_WARPS_PER_SM * sms, warps), l // _MIN_SEGMENT_TOKENS))
     fwd_block_d = 16 if segments > 1 and not packed else 32
     return ScanConfig(segments=segments, fwd_variant="parallel", par_block_d=fwd_block_d, par_tokens=4, par_warps=1,
                       bwd_variant="parallel", bwd_block_d=8, bwd_tokens=4, bwd_warps=1,
                       bwd_maxnreg=_SPLIT_BWD_MAXNREG if segments > 1 else None)
+
+
+# Every layer of a model asks with the same shape; picking took 20 us of host time per call on
+# the H200 machine (benchmarks/results/kernels/session16/host_parts.jsonl).
+_cached_config = functools.lru_cache(maxsize=1024)(_pick_config)
 
 
 # --- argument checks ---------------------------------------------------------------------
@@ -309,9 +316,10 @@ _ROW_ALIGN = 16
 
 def _row_buffer(leading: tuple, l: int, **like) -> Tensor:
     """An uninitialised (*leading, l) tensor whose rows are _ROW_ALIGN-aligned: a view of a
-    buffer padded to a multiple of _ROW_ALIGN tokens (contiguous when l is one)."""
-    padded = triton.cdiv(l, _ROW_ALIGN) * _ROW_ALIGN
-    return torch.empty(*leading, padded, **like)[..., :l]
+    buffer padded to a multiple of _ROW_ALIGN tokens (a plain contiguous tensor when l is one)."""
+    if l % _ROW_ALIGN == 0:
+        return torch.empty(*leading, l, **like)  # no slice: a view costs the host more than the check
+    return torch.empty(*leading, cdiv(l, _ROW_ALIGN) * _ROW_ALIGN, **like)[..., :l]
 
 
 def _has_aligned_rows(t: Tensor) -> bool:
@@ -352,8 +360,8 @@ def _segments(l: int, cfg: ScanConfig) -> tuple[int, int]:
     """(number of segments, tokens per segment); segments are whole checkpoint chunks, and
     whole tiles of the parallel forward."""
     unit = max(cfg.chunk, cfg.par_tokens) if cfg.fwd_variant == "parallel" else cfg.chunk
-    seg_len = triton.cdiv(triton.cdiv(l, cfg.segments), unit) * unit
-    return triton.cdiv(l, seg_len), seg_len
+    seg_len = cdiv(cdiv(l, cfg.segments), unit) * unit
+    return cdiv(l, seg_len), seg_len
 
 
 def _launch_options(num_warps: int, maxnreg: Optional[int]) -> dict:
@@ -364,7 +372,7 @@ def _launch_options(num_warps: int, maxnreg: Optional[int]) -> dict:
 def _forward_kernel(u, delta, z, y, n, cfg: ScanConfig):
     """The forward kernel for ``cfg.fwd_variant``, its channels per program and the launch
     constants that differ between the two kernels (the arguments are the same)."""
-    n_pad = triton.next_power_of_2(n)
+    n_pad = next_power_of_2(n)
     if cfg.fwd_variant == "parallel":
         return scan_fwd_parallel_kernel, cfg.par_block_d, dict(
             BLOCK_D=cfg.par_block_d, T=cfg.par_tokens, N_PAD=n_pad, **_launch_options(cfg.par_warps, cfg.par_maxnreg))
@@ -388,7 +396,7 @@ def _launch_forward(u, delta, A, B32, C32, D, z, delta_bias, softplus, seq_idx, 
     def launch(carry, seg_end, seg_decay, with_output, ranges=None):
         # The segment pass skips the last segment: no later segment reads its end state.
         grid_segments = num_segments if with_output else num_segments - 1
-        kernel[(g * triton.cdiv(e, block_d), bsz, grid_segments)](
+        kernel[(g * cdiv(e, block_d), bsz, grid_segments)](
             u, delta, A, B32, C32, opt(D), opt(z), opt(delta_bias), opt(seq_idx), opt(initial_state),
             y, opt(final), opt(ckpt), opt(carry), opt(seg_end), opt(seg_decay), opt(ranges),
             d, l, e, n, seg_len, num_segments, cfg.chunk,
@@ -420,7 +428,7 @@ def _chain_segments(seg_end: Tensor, seg_decay: Tensor, carry: Tensor, reverse: 
     where this kernel took 8.0 us before its loads were unrolled (benchmarks/results/kernels/session14)."""
     bsz, num_segments, n, d = seg_end.shape
     block = 1024
-    segment_carry_kernel[(triton.cdiv(n * d, block), bsz)](
+    segment_carry_kernel[(cdiv(n * d, block), bsz)](
         seg_end, seg_decay, carry, num_segments, n * d, REVERSE=reverse, BLOCK=block, UNROLL=8
     )
 
@@ -445,27 +453,31 @@ def _forward(u, delta, A, B, C, D, z, delta_bias, softplus, cu_seqlens, initial_
     final = _new_states(num_seqs, d, n, u, initial_state) if return_final_state else None
     ckpt = None
     if keep_checkpoints:
-        ckpt = torch.empty(bsz, triton.cdiv(l, cfg.chunk), n, d, device=u.device, dtype=torch.float32)
-    _launch_forward(_aligned_rows(u), _aligned_rows(delta), A.float(), _fp32_rows(_bc4(B)), _fp32_rows(_bc4(C)),
-                    D, _aligned_rows(z), delta_bias, softplus, seq_idx, initial_state, final, ckpt, y, cfg,
-                    fwd_ranges)
-    return y, final, seq_idx, ckpt, bwd_ranges
+        ckpt = torch.empty(bsz, cdiv(l, cfg.chunk), n, d, device=u.device, dtype=torch.float32)
+    B32, C32 = _fp32_rows(_bc4(B)), _fp32_rows(_bc4(C))
+    _launch_forward(_aligned_rows(u), _aligned_rows(delta), A.float(), B32, C32, D, _aligned_rows(z), delta_bias,
+                    softplus, seq_idx, initial_state, final, ckpt, y, cfg, fwd_ranges)
+    return y, final, seq_idx, ckpt, bwd_ranges, B32, C32
 
 
 class _SelectiveScanFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, u, delta, A, B, C, D, z, delta_bias, initial_state, softplus, cu_seqlens,
                 return_final_state, out_dtype, cfg):
-        y, final, seq_idx, ckpt, bwd_ranges = _forward(u, delta, A, B, C, D, z, delta_bias, softplus, cu_seqlens,
-                                                       initial_state, return_final_state, out_dtype, cfg, True)
-        ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, seq_idx, ckpt, bwd_ranges)
-        ctx.softplus, ctx.cfg = softplus, cfg
+        y, final, seq_idx, ckpt, bwd_ranges, B32, C32 = _forward(
+            u, delta, A, B, C, D, z, delta_bias, softplus, cu_seqlens, initial_state, return_final_state,
+            out_dtype, cfg, True)
+        # B and C are kept as the forward's fp32 (b, g, n, l) rows, not copied again in the backward:
+        # 2 * b * n * l floats (under 1% of the (b, d, l) tensors saved beside them at d=5120, n=16)
+        # for two copies fewer on the backward's host path.
+        ctx.save_for_backward(u, delta, A, B32, C32, D, z, delta_bias, initial_state, seq_idx, ckpt, bwd_ranges)
+        ctx.softplus, ctx.cfg, ctx.bc_like = softplus, cfg, (B.dim(), B.dtype, C.dtype)
         return (y, final) if return_final_state else y
 
     @staticmethod
     def backward(ctx, dy, dfinal=None):
-        u, delta, A, B, C, D, z, delta_bias, initial_state, seq_idx, ckpt, bwd_ranges = ctx.saved_tensors
-        grads = _backward(u, delta, A, B, C, D, z, delta_bias, initial_state, seq_idx, ckpt,
+        u, delta, A, B32, C32, D, z, delta_bias, initial_state, seq_idx, ckpt, bwd_ranges = ctx.saved_tensors
+        grads = _backward(u, delta, A, B32, C32, ctx.bc_like, D, z, delta_bias, initial_state, seq_idx, ckpt,
                           dy, dfinal, ctx.softplus, ctx.cfg, bwd_ranges)
         needed = ctx.needs_input_grad
         return tuple(gr if needed[i] else None for i, gr in enumerate(grads)) + (None,) * 5
@@ -504,18 +516,20 @@ class _Grads:
         return (self.du, self.ddelta, opt(self.dz), self.dB_part, self.dC_part, self.dA_part, self.dD_part,
                 self.dbias_part, opt(self.dinit))
 
-    def reduced(self, A, B, C, D, delta_bias, initial_state):
-        """The gradients autograd expects, partial sums added up (deterministically)."""
+    def reduced(self, A, bc_like, D, delta_bias, initial_state):
+        """The gradients autograd expects, partial sums added up (deterministically).
+        ``bc_like``: (dims, dtype of B, dtype of C) of the caller's B and C."""
+        bc_dims, b_dtype, c_dtype = bc_like
         dB = self.dB_part.sum(2)  # (b, g, blocks, n, l) -> (b, g, n, l)
         dC = self.dC_part.sum(2)
-        if B.dim() == 3:
+        if bc_dims == 3:
             dB, dC = dB.squeeze(1), dC.squeeze(1)  # (b, 1, n, l) -> (b, n, l)
         return (
             self.du,
             self.ddelta,
             self.dA_part.sum(0).to(A.dtype),
-            dB.to(B.dtype),
-            dC.to(C.dtype),
+            dB.to(b_dtype),
+            dC.to(c_dtype),
             self.dD_part.sum(0).to(D.dtype) if D is not None else None,
             self.dz,
             self.dbias_part.sum(0).to(delta_bias.dtype) if delta_bias is not None else None,
@@ -523,16 +537,16 @@ class _Grads:
         )
 
 
-def _backward(u, delta, A, B, C, D, z, delta_bias, initial_state, seq_idx, ckpt, dy, dfinal,
+def _backward(u, delta, A, B32, C32, bc_like, D, z, delta_bias, initial_state, seq_idx, ckpt, dy, dfinal,
               softplus, cfg: ScanConfig, lam_ranges: Optional[Tensor] = None):
-    """``lam_ranges``: where the adjoint-only pass may stop on packed rows (``_segment_pass_ranges``)."""
+    """B32, C32: the forward's fp32 (b, g, n, l) rows; ``bc_like``: see ``_Grads.reduced``.
+    ``lam_ranges``: where the adjoint-only pass may stop on packed rows (``_segment_pass_ranges``)."""
     bsz, d, l = u.shape
     if dy is None:
         dy = torch.zeros((), device=u.device, dtype=u.dtype).expand(bsz, d, l)
     # Copied again rather than kept from the forward: saving the forward's copies would hold
     # three more (b, d, l) tensors per layer until the backward.
     u, delta, z, dy = (_aligned_rows(t) for t in (u, delta, z, dy))
-    B32, C32 = _fp32_rows(_bc4(B)), _fp32_rows(_bc4(C))
     A32 = A.float()
     g, n = B32.shape[1], A.shape[1]
     e = d // g
@@ -546,10 +560,10 @@ def _backward(u, delta, A, B, C, D, z, delta_bias, initial_state, seq_idx, ckpt,
                *_state_strides(initial_state), *_state_strides(dfinal))
     flags = dict(HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
                  SOFTPLUS=softplus, PACKED=seq_idx is not None, HAS_INIT=initial_state is not None,
-                 HAS_DFINAL=dfinal is not None, N_PAD=triton.next_power_of_2(n))
+                 HAS_DFINAL=dfinal is not None, N_PAD=next_power_of_2(n))
 
     if cfg.bwd_variant == "parallel" and n <= _PARALLEL_BWD_MAX_N:
-        blocks_per_group = triton.cdiv(e, cfg.bwd_block_d)
+        blocks_per_group = cdiv(e, cfg.bwd_block_d)
         num_segments, seg_len = _segments(l, cfg)
         grid = (g * blocks_per_group, bsz, num_segments)
         grads = _Grads(u, delta, z, g, blocks_per_group, n, bsz * num_segments, initial_state, dfinal, num_seqs)
@@ -576,15 +590,15 @@ def _backward(u, delta, A, B, C, D, z, delta_bias, initial_state, seq_idx, ckpt,
             launch(None, seg_lam, seg_decay, lam_only=True, ranges=lam_ranges)
             _chain_segments(seg_lam, seg_decay, carry, reverse=True)
         launch(carry, None, None, lam_only=False)
-        return grads.reduced(A, B, C, D, delta_bias, initial_state)
+        return grads.reduced(A, bc_like, D, delta_bias, initial_state)
 
-    blocks_per_group = triton.cdiv(e, cfg.bwd_block_d)
+    blocks_per_group = cdiv(e, cfg.bwd_block_d)
     grads = _Grads(u, delta, z, g, blocks_per_group, n, bsz, initial_state, dfinal, num_seqs)
     scan_bwd_kernel[(g * blocks_per_group, bsz)](
         *common, *grads.outputs(), d, l, e, n, ckpt.shape[1], blocks_per_group, grads.row_len, *strides,
         BLOCK_D=cfg.bwd_block_d, T=cfg.chunk, N_STATIC=_static_n(n, cfg), num_warps=cfg.bwd_warps, **flags,
     )
-    return grads.reduced(A, B, C, D, delta_bias, initial_state)
+    return grads.reduced(A, bc_like, D, delta_bias, initial_state)
 
 
 # --- public functions ------------------------------------------------------------------------
@@ -625,7 +639,7 @@ def selective_scan(
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         return _SelectiveScanFn.apply(u, delta, A, B, C, D, z, delta_bias, initial_state,
                                       delta_softplus, cu_seqlens, return_final_state, out_dtype, cfg)
-    y, final, _, _, _ = _forward(u, delta, A, B, C, D, z, delta_bias, delta_softplus, cu_seqlens,
+    y, final, *_ = _forward(u, delta, A, B, C, D, z, delta_bias, delta_softplus, cu_seqlens,
                               initial_state, return_final_state, out_dtype, cfg, False)
     return (y, final) if return_final_state else y
 

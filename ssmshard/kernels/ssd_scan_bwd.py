@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ssmshard.kernels.launch_math import cdiv
 from ssmshard.kernels.ssd_scan_fwd import run_chunk_states, run_dt_cumsum
 from ssmshard.kernels.ssd_triton_common import (
     ChunkTable,
@@ -419,9 +420,9 @@ _MAX_HEAD_SPLITS = 16
 
 def _head_splits(table: ChunkTable, n_groups: int, heads_per_group: int) -> int:
     """Heads per split: few enough programs to reuse B / C over heads, enough to fill the GPU."""
-    base = table.n_slots * n_groups * triton.cdiv(table.chunk_size, 64)
-    splits = min(heads_per_group, _MAX_HEAD_SPLITS, max(1, triton.cdiv(_TARGET_PROGRAMS, base)))
-    return triton.cdiv(heads_per_group, splits)
+    base = table.n_slots * n_groups * cdiv(table.chunk_size, 64)
+    splits = min(heads_per_group, _MAX_HEAD_SPLITS, max(1, cdiv(_TARGET_PROGRAMS, base)))
+    return cdiv(heads_per_group, splits)
 
 
 def _strides3(t):
@@ -456,10 +457,10 @@ def ssd_backward(dout, dfinal, x, dt, A, B, C, D, z, ypre, init, table: ChunkTab
     dD_part = torch.empty(table.n_seqs, h, p, device=dev, dtype=f32) if D is not None else None
     # One slot per possible n block (blocks are >= 16 wide); the kernel zeroes those it does
     # not use, and slots of unused chunks keep these zeros.
-    ds_part = torch.zeros(triton.cdiv(n, 16), table.n_slots, h, device=dev, dtype=f32)
+    ds_part = torch.zeros(cdiv(n, 16), table.n_slots, h, device=dev, dtype=f32)
     zs = z.stride() if z is not None else (0, 0, 0)
     state_grads(
-        lambda meta: (table.n_seqs, h, triton.cdiv(n, meta["BLOCK_N"])),
+        lambda meta: (table.n_seqs, h, cdiv(n, meta["BLOCK_N"])),
         x_ptr=x, C_ptr=C, z_ptr=z, ypre_ptr=ypre, dout_ptr=dout,
         states_ptr=states, dfinal_ptr=dfinal,
         dstates_ptr=dstates, dinit_ptr=dinit, dz_ptr=dz, dy_ptr=dy, dD_part_ptr=dD_part, ds_part_ptr=ds_part,
@@ -475,7 +476,7 @@ def ssd_backward(dout, dfinal, x, dt, A, B, C, D, z, ypre, init, table: ChunkTab
 
     dy_src = dy if z is not None else dout
     heads_per_split = _head_splits(table, g, h // g)
-    n_splits = triton.cdiv(h // g, heads_per_split)
+    n_splits = cdiv(h // g, heads_per_split)
     split_args = dict(
         n_heads=h, heads_per_group=h // g, heads_per_split=heads_per_split, dtd_ptr=dtd,
         tune_bucket=(table.n_slots * g * n_splits).bit_length(),
@@ -488,13 +489,13 @@ def ssd_backward(dout, dfinal, x, dt, A, B, C, D, z, ypre, init, table: ChunkTab
     )
 
     def split_grid(meta):
-        return (triton.cdiv(table.chunk_size, meta["BLOCK"]) * table.n_slots, g, n_splits)
+        return (cdiv(table.chunk_size, meta["BLOCK"]) * table.n_slots, g, n_splits)
 
     dx = torch.empty(n_tok, h, p, device=dev, dtype=x.dtype)
     ddt_direct, w_row, u_row = (torch.empty(h, n_tok, device=dev, dtype=f32) for _ in range(3))
     # Pair sums per block of j, in units of the smallest block a config can have (_clamp_block).
     part_tokens = min(32, next_pow2(table.chunk_size))
-    da_part = torch.zeros(triton.cdiv(table.chunk_size, part_tokens), h, n_tok, device=dev, dtype=f32)
+    da_part = torch.zeros(cdiv(table.chunk_size, part_tokens), h, n_tok, device=dev, dtype=f32)
     dB_part = torch.empty(n_splits, n_tok, g, n, device=dev, dtype=f32)
     dx_dB(
         split_grid, D_ptr=D, dstates_ptr=dstates, dx_ptr=dx, ddt_direct_ptr=ddt_direct, w_row_ptr=w_row,

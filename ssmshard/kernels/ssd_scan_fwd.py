@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ssmshard.kernels.launch_math import cdiv, next_power_of_2
 from ssmshard.kernels.ssd_triton_common import (
     ChunkTable,
     TunableKernel,
@@ -378,8 +379,8 @@ def run_dt_cumsum(dt, A, table: ChunkTable, dt_args: dict, block_h: int | None =
     dtd = torch.empty(h, table.n_slots, table.decay_stride, device=dt.device, dtype=torch.float32)
     cs = torch.empty_like(dtd)
     chunk_start, chunk_len, _ = table.tensors()
-    block_h = min(block_h or _DT_BLOCK_H, triton.next_power_of_2(h))
-    ssd_dt_cumsum_kernel[(table.n_slots, triton.cdiv(h, block_h))](
+    block_h = min(block_h or _DT_BLOCK_H, next_power_of_2(h))
+    ssd_dt_cumsum_kernel[(table.n_slots, cdiv(h, block_h))](
         dt, A, dt_args["dt_bias_ptr"], dtd, cs, chunk_start, chunk_len,
         table.n_slots, h, dt.stride(0), dt.stride(1), dt_args["dt_min"], dt_args["dt_max"],
         HAS_BIAS=dt_args["HAS_BIAS"], SOFTPLUS=dt_args["SOFTPLUS"],
@@ -399,7 +400,7 @@ def run_chunk_states(x, dtd, cs, B, init, table: ChunkTable):
     final = torch.empty(table.n_seqs, h, p, n, device=x.device, dtype=torch.float32)
     chunk_start, chunk_len, seq_first_chunk = table.tensors()
     chunk_states(
-        lambda meta: (table.n_seqs, h, triton.cdiv(p, meta["BLOCK_P"]) * triton.cdiv(n, meta["BLOCK_N"])),
+        lambda meta: (table.n_seqs, h, cdiv(p, meta["BLOCK_P"]) * cdiv(n, meta["BLOCK_N"])),
         x_ptr=x, dtd_ptr=dtd, cs_ptr=cs, B_ptr=B, init_ptr=init, states_ptr=states, final_ptr=final,
         seq_first_chunk_ptr=seq_first_chunk, chunk_start_ptr=chunk_start, chunk_len_ptr=chunk_len,
         n_slots=table.n_slots, decay_stride=table.decay_stride, heads_per_group=h // g, headdim=p, dstate=n,
@@ -419,7 +420,7 @@ def run_chunk_cb(B, C, table: ChunkTable):
     cb = torch.empty(table.n_slots, g, T, next_pow2(T), device=B.device, dtype=torch.float32)
     chunk_start, chunk_len, _ = table.tensors()
     block = min(_CB_BLOCK, next_pow2(T))
-    ssd_chunk_cb_kernel[(table.n_slots * triton.cdiv(T, block), g)](
+    ssd_chunk_cb_kernel[(table.n_slots * cdiv(T, block), g)](
         B, C, cb, chunk_start, chunk_len, table.n_slots, n, T, cb.stride(0), cb.stride(1), cb.stride(2),
         B.stride(0), B.stride(1), B.stride(2), C.stride(0), C.stride(1), C.stride(2),
         BLOCK_M=block, BLOCK_N=next_pow2(n), num_warps=4, **dot_modes(B.dtype),
@@ -438,7 +439,7 @@ def run_chunk_output(x, dtd, cs, B, C, D, z, states, table: ChunkTable, out_dtyp
     cb = run_chunk_cb(B, C, table) if h // g >= CB_STORED_MIN_HEADS_PER_GROUP else None
     cb_strides = cb.stride()[:3] if cb is not None else (0, 0, 0)
     chunk_output(
-        lambda meta: (table.n_slots * triton.cdiv(table.chunk_size, meta["BLOCK_M"]), h),
+        lambda meta: (table.n_slots * cdiv(table.chunk_size, meta["BLOCK_M"]), h),
         x_ptr=x, dtd_ptr=dtd, cs_ptr=cs, B_ptr=B, C_ptr=C, D_ptr=D, z_ptr=z, states_ptr=states, cb_ptr=cb,
         out_ptr=out, ypre_ptr=ypre, chunk_start_ptr=chunk_start, chunk_len_ptr=chunk_len,
         n_slots=table.n_slots, decay_stride=table.decay_stride, heads_per_group=h // g, headdim=p, dstate=n,

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ssmshard.kernels.launch_math import cdiv, next_power_of_2
 from ssmshard.kernels.scan_common import softplus
 
 # Read at import, like @triton.jit does: kernels run under the CPU interpreter when set.
@@ -40,7 +41,7 @@ def autotune_enabled() -> bool:
 
 def next_pow2(v: int, floor: int = 16) -> int:
     """Smallest power of two >= max(v, floor); tl.dot needs every block dim >= 16."""
-    return max(floor, triton.next_power_of_2(max(int(v), 1)))
+    return max(floor, next_power_of_2(max(int(v), 1)))
 
 
 def dot_modes(dtype: torch.dtype) -> dict:
@@ -322,7 +323,7 @@ class ChunkTable:
         self.chunk_len = torch.empty(self.n_slots, dtype=torch.int32, device=device)
         self.seq_first_chunk = torch.empty(n_seqs + 1, dtype=torch.int32, device=device)
         block_k = 128
-        chunk_table_kernel[(triton.cdiv(self.n_slots, block_k),)](
+        chunk_table_kernel[(cdiv(self.n_slots, block_k),)](
             cu_seqlens, n_seqs, self.n_slots, chunk_size,
             self.chunk_start, self.chunk_len, self.seq_first_chunk,
             BLOCK_K=block_k, BLOCK_S=64,

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ssmshard.kernels.launch_math import cdiv, next_power_of_2
 from ssmshard.kernels.scan_common import discretise
 
 
@@ -147,8 +148,8 @@ def selective_state_update(
     D2 = torch.broadcast_to(D2, (h, p)) if D2 is not None else None
     bias2 = torch.broadcast_to(bias2, (h, p)) if bias2 is not None else None
     none2, none3 = (0, 0), (0, 0, 0)
-    block_p = min(64, triton.next_power_of_2(p))
-    _state_update_kernel[(triton.cdiv(p, block_p), h, bsz)](
+    block_p = min(64, next_power_of_2(p))
+    _state_update_kernel[(cdiv(p, block_p), h, bsz)](
         state4, x3, dt3, A3, B3, C3, D2 if D2 is not None else out3, z3 if z3 is not None else out3,
         bias2 if bias2 is not None else out3, out3, new4,
         p, n, h // g,
@@ -156,6 +157,6 @@ def selective_state_update(
         *(D2.stride() if D2 is not None else none2), *(z3.stride() if z3 is not None else none3),
         *(bias2.stride() if bias2 is not None else none2), *out3.stride(), *new4.stride(),
         HAS_D=D2 is not None, HAS_Z=z3 is not None, HAS_BIAS=bias2 is not None, SOFTPLUS=dt_softplus,
-        BLOCK_P=block_p, N_PAD=triton.next_power_of_2(n), num_warps=4,
+        BLOCK_P=block_p, N_PAD=next_power_of_2(n), num_warps=4,
     )
     return out, new_state
