@@ -1,27 +1,44 @@
-# Set-up and checks. `make demo` and `make test` build .venv on first use.
+# Set-up and checks. `make demo` and `make test` build their virtual environments on first use.
 PYTHON ?= python3
 VENV   := .venv
 VPY    := $(VENV)/bin/python
+# The oldest transformers release ssmshard supports (hf_compat.OLDEST_SUPPORTED): the
+# compatibility subset of the tests (`-m compat`) runs against it in its own environment.
+OLDEST_TRANSFORMERS := 5.17.0
+VENV_OLDEST := .venv-transformers-$(OLDEST_TRANSFORMERS)
 # torch is pinned exactly and installed first: the pin selects the local CPU wheel, and an
 # already-satisfied torch keeps `pip install -e .` from pulling a CUDA build.
 TORCH  := torch==2.13.0
+PIP_QUIET := --quiet --disable-pip-version-check
 
-.PHONY: venv demo test clean
+.PHONY: venv demo test test-newest test-oldest clean
 
 venv: $(VENV)/.stamp
 
 $(VENV)/.stamp: pyproject.toml
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
-	$(VPY) -m pip install $(TORCH)
-	$(VPY) -m pip install -e '.[test]'
+	$(VPY) -m pip install $(PIP_QUIET) $(TORCH)
+	$(VPY) -m pip install $(PIP_QUIET) -e '.[test]'
+	touch $@
+
+$(VENV_OLDEST)/.stamp: pyproject.toml
+	test -x $(VENV_OLDEST)/bin/python || $(PYTHON) -m venv $(VENV_OLDEST)
+	$(VENV_OLDEST)/bin/python -m pip install $(PIP_QUIET) $(TORCH)
+	$(VENV_OLDEST)/bin/python -m pip install $(PIP_QUIET) -e '.[test]' 'transformers==$(OLDEST_TRANSFORMERS)'
 	touch $@
 
 demo: venv
-	$(VENV)/bin/ssmshard demo
+	@$(VENV)/bin/ssmshard demo
 
-test: venv
+# The whole suite on the newest transformers, then the compatibility subset on the oldest.
+test: test-newest test-oldest
+
+test-newest: venv
 	$(VPY) -m pytest tests
 
+test-oldest: $(VENV_OLDEST)/.stamp
+	$(VENV_OLDEST)/bin/python -m pytest tests -m compat
+
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VENV_OLDEST) *.egg-info .pytest_cache
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

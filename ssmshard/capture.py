@@ -42,7 +42,8 @@ import warnings
 import torch
 from torch.export import Dim
 
-from .families import cache_kwarg, family_of
+from .families import family_of
+from .hf_compat import cache_kwarg
 from .hf_shims import continued_scans, swapped_kernel_functions
 from .packed_capture import PackedForward, check_packable, example_cu_seqlens, verify_packed_graph
 from .program import Program, StateSpec, unpadded_mask_and_positions

@@ -108,14 +108,6 @@ def family_of(model) -> Family:
     return FAMILIES[name]
 
 
-def cache_kwarg(model) -> str:
-    """The keyword under which ``model.forward`` takes its cache (Mamba-1/2: ``cache_params``)."""
-    import inspect
-
-    params = inspect.signature(model.forward).parameters
-    return "cache_params" if "cache_params" in params else "past_key_values"
-
-
 def build_small_model(name: str, *, device="cpu", dtype=None, seed=0, **overrides):
     """A tiny randomly initialised model of the family ``name`` (demos and tests)."""
     import torch

@@ -1,15 +1,15 @@
 """Hugging Face incremental decoding, the reference that prefill/decode programs are checked against.
 
 The model's own cache does the work: one prefill call over the prompt, then one call per
-next token with the cache passed back. Mamba-family models take and return their cache as
-``cache_params``; the others use ``past_key_values``.
+next token with the cache passed back, under the keyword this transformers release uses
+(``hf_compat.cache_kwarg``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .families import cache_kwarg
+from .hf_compat import cache_kwarg
 
 
 @torch.no_grad()

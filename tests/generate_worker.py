@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 import ssmshard
 from ssmshard.capture import flatten_states
-from ssmshard.families import cache_kwarg
+from ssmshard.hf_compat import cache_kwarg
 from ssmshard.placement import Shard
 from ssmshard.testing import rel_err
 

@@ -29,6 +29,7 @@ def hf_logits(model, ids):
         return model(ids, use_cache=False).logits
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("family", SIX_FAMILIES)
 def test_forward_matches_hf_for_all_shapes_with_one_graph(family, fresh_seed):
     model, program = small_model(family), program_for(family, "forward")
@@ -47,6 +48,7 @@ def test_mamba2_single_group_and_long_odd_sequence(fresh_seed):
     assert rel_err(program(ids), hf_logits(model, ids)) < TOL
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("family", SIX_FAMILIES)
 def test_prefill_then_decode_matches_hf_incremental_logits(family, fresh_seed):
     model = small_model(family)
@@ -118,6 +120,7 @@ def test_meta_capture_of_a_64_layer_model_allocates_no_weights():
     assert peak_gb < 2.0, f"peak RSS {peak_gb:.2f} GB: capture materialised weights"
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("family", SIX_FAMILIES)
 def test_every_node_is_tagged(family):
     program = program_for(family, "forward")

@@ -8,7 +8,7 @@ import torch
 
 import ssmshard
 from ssmshard.capture import flatten_states
-from ssmshard.families import cache_kwarg
+from ssmshard.hf_compat import cache_kwarg
 from ssmshard.runtime.generate import chunk_bounds, prefill, prompt_inputs
 from ssmshard.testing import rel_err
 
@@ -18,6 +18,7 @@ from generate_worker import left_padded_prompts
 TOLERANCE = 1e-5  # fp32; chunking only changes where each scan is cut
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("family", SIX_FAMILIES)
 def test_chunked_prefill_equals_one_shot(family, fresh_seed):
     model = small_model(family)

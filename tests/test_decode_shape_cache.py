@@ -7,6 +7,7 @@ shape-bucket cache and captures a new sibling program (a whole-model capture per
 
 import json
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -35,6 +36,7 @@ def _siblings_after_generate(rank, world, seed, out_path):
             json.dump(reports, f)
 
 
+@pytest.mark.compat
 def test_tp2_decode_reuses_its_program_for_local_state_shapes(tmp_path, fresh_seed):
     out = tmp_path / "siblings.json"
     ssmshard.launch(_siblings_after_generate, 2, fresh_seed, str(out))
