@@ -223,7 +223,8 @@ class Program:
                  if lo != hi]
         return "; ".join(parts[:4]) + (" ..." if len(parts) > 4 else "")
 
-    def __call__(self, input_ids, states=None, *, attention_mask=None, position_ids=None, cu_seqlens=None):
+    def __call__(self, input_ids, states=None, *, attention_mask=None, position_ids=None, cu_seqlens=None,
+                 check_inputs: bool = True):
         """forward: ``logits``; prefill/decode/chunk: ``(logits, states)``.
 
         ``input_ids`` may be a :class:`~ssmshard.packing.PackedBatch` (or come with
@@ -231,9 +232,15 @@ class Program:
         sequence boundaries rather than run the sequences as one. Prefill/decode take HF
         generation inputs: without ``attention_mask`` the batch is unpadded (decode: past length
         read from the key/value states), without ``position_ids`` positions count from the past.
+        ``check_inputs``: check the ids (``inputs.check_input_ids``: shape, dtype, device, range)
+        before running; only callers that produced the ids themselves skip it.
         """
-        from .packing import packed_call_inputs, refuse_packing_info
+        from .inputs import check_input_ids
+        from .packing import PackedBatch, packed_call_inputs, refuse_packing_info
 
+        if check_inputs:
+            ids = input_ids.input_ids if isinstance(input_ids, PackedBatch) else input_ids
+            check_input_ids(ids, self.vocab_size, self.weights_device)
         if self.packed:
             user = list(packed_call_inputs(input_ids, cu_seqlens, position_ids))
         elif self.mode == "forward":
@@ -255,6 +262,21 @@ class Program:
         if self.mode == "forward":
             return outputs[0] if isinstance(outputs, (tuple, list)) else outputs
         return outputs[0], list(outputs[1:])
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Rows of the token embedding (the ids a program accepts), else the config's vocab_size."""
+        for spec in self.param_specs.values():
+            if spec.role == "embed" and len(spec.shape) == 2:
+                return spec.shape[0]
+        return getattr(self.config, "vocab_size", None)
+
+    @property
+    def weights_device(self) -> torch.device | None:
+        """Where the bound weights live (None before ``bind``)."""
+        if not self.weights:
+            return None
+        return next(iter(self.weights.values())).device
 
     def past_length(self, states) -> int:
         """Tokens already seen, from the key states (0 for models without attention)."""

@@ -219,3 +219,19 @@ def test_non_safetensors_directory_and_meta_model_without_checkpoint(tmp_path):
     meta = ssmshard.build_small_model("mamba", device="meta")
     with pytest.raises(ValueError, match="meta device.*checkpoint=DIR"):
         ssmshard.parallelize(meta, ssmshard.Plan(tp=TP))
+
+
+def test_keys_the_model_has_no_weight_for_are_errors_unless_allowed(tmp_path):
+    """A checkpoint of a deeper model than its config.json says: HF reports the extra layers as
+    unexpected keys; loading the first layers silently would give another model."""
+    from ssmshard.runtime.checkpoint import match_checkpoint
+
+    deeper = ssmshard.build_small_model("mamba2", num_hidden_layers=3)
+    deeper.save_pretrained(tmp_path, safe_serialization=True)
+    shallow = ssmshard.build_small_model("mamba2", device="meta")  # 2 layers
+    with pytest.raises(CheckpointError, match=r"(?s)unexpected: checkpoint key 'backbone\.layers\.2\..*"
+                                              r"allow_unexpected_keys=True"):
+        ssmshard.parallelize(shallow, ssmshard.Plan(tp=TP), checkpoint=str(tmp_path))
+    keys = match_checkpoint(ssmshard.capture(shallow), shallow, SafetensorsCheckpoint(tmp_path),
+                            allow_unexpected_keys=True)
+    assert keys["backbone.layers.1.mixer.in_proj.weight"] == "backbone.layers.1.mixer.in_proj.weight"

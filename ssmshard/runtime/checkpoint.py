@@ -28,6 +28,7 @@ import copy
 import difflib
 import json
 import os
+import re
 
 import torch
 from safetensors import safe_open
@@ -127,11 +128,16 @@ def _is_non_persistent_buffer(model, fqn: str) -> bool:
     return leaf in module._buffers and leaf in module._non_persistent_buffers_set
 
 
-def match_checkpoint(program, model, checkpoint: SafetensorsCheckpoint) -> dict[str, str | None]:
+def match_checkpoint(program, model, checkpoint: SafetensorsCheckpoint, *,
+                     allow_unexpected_keys: bool = False) -> dict[str, str | None]:
     """Graph weight FQN -> checkpoint key (``None``: not read from the checkpoint).
 
     Checks every key and global shape before any tensor is read or any process-group call is
-    made; raises one :class:`CheckpointError` listing every missing key and mismatched shape.
+    made; raises one :class:`CheckpointError` listing every missing key, mismatched shape and
+    (unless ``allow_unexpected_keys``) every checkpoint key the model has no weight for: a
+    checkpoint of a deeper model than its config.json describes would otherwise load its
+    first layers silently (HF reports such keys as unexpected; the model's own
+    ``_keys_to_ignore_on_load_unexpected`` patterns are honoured as HF honours them).
     """
     tensors = dict(model.named_parameters(remove_duplicate=False))
     tensors.update(model.named_buffers(remove_duplicate=False))
@@ -155,13 +161,24 @@ def match_checkpoint(program, model, checkpoint: SafetensorsCheckpoint) -> dict[
                             f"but the model's {fqn} is {list(spec.shape)}")
             continue
         keys[fqn] = key
+    if not allow_unexpected_keys:
+        problems += [f"unexpected: checkpoint key {key!r} is no weight of the model"
+                     for key in _unexpected_keys(model, checkpoint, tensors, prefix)]
     if problems:
         shown = "\n  ".join(problems[:12]) + (f"\n  ... and {len(problems) - 12} more" if len(problems) > 12 else "")
         raise CheckpointError(
             f"checkpoint {checkpoint.path} does not fit {type(model).__name__} "
             f"({len(problems)} problem{'s' * (len(problems) > 1)}):\n  {shown}\n"
-            "Check that the model was built from this checkpoint's config.json.")
+            "Check that the model was built from this checkpoint's config.json"
+            + (" (or pass allow_unexpected_keys=True to ignore keys the model has no weight for)."
+               if any(p.startswith("unexpected") for p in problems) else "."))
     return keys
+
+
+def _unexpected_keys(model, checkpoint, tensors, prefix) -> list[str]:
+    known = set(tensors) | {n[len(prefix) + 1:] for n in tensors if prefix and n.startswith(prefix + ".")}
+    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
+    return sorted(k for k in checkpoint.keys() if k not in known and not any(p.search(k) for p in ignored))
 
 
 def recompute_buffer(model, fqn: str) -> torch.Tensor:

@@ -177,6 +177,7 @@ class DistributedModule(torch.nn.Module):
         chunk by chunk (see :func:`ssmshard.runtime.generate.prefill`)."""
         from .generate import prefill, prompt_inputs
 
+        self._check_ids(input_ids)  # before the programs are captured on first use
         prefill_program, _ = self.generation_programs()
         mask, positions = prompt_inputs(input_ids, attention_mask)
         with torch.no_grad():
@@ -195,11 +196,17 @@ class DistributedModule(torch.nn.Module):
         """
         from .generate import generate
 
+        self._check_ids(input_ids)  # before the programs are captured on first use
         prefill, decode = self.generation_programs()
         step = self._graphed_decode(decode, input_ids.shape[0], cuda_graph) or decode
         return generate(prefill, step, input_ids, attention_mask, group=_group_of(self.program),
                         chunk_program=self._chunk_program_for(input_ids, prefill_chunk_size),
                         prefill_chunk_size=prefill_chunk_size, **options)
+
+    def _check_ids(self, input_ids):
+        from ..inputs import check_input_ids
+
+        check_input_ids(input_ids, self.program.vocab_size, self.program.weights_device)
 
     def _chunk_program_for(self, input_ids, chunk_size):
         """The chunk program when this prompt is longer than ``chunk_size`` (captured only then)."""
@@ -231,7 +238,7 @@ class DistributedModule(torch.nn.Module):
 
 
 def parallelize(model, plan: Plan, *, group=None, device_mesh=None, checkpoint=None, device=None,
-                progress: bool = True, packed: bool = False) -> DistributedModule:
+                progress: bool = True, packed: bool = False, allow_unexpected_keys: bool = False) -> DistributedModule:
     """Shard ``model`` for this process's rank of ``group`` (default: the world).
 
     ``device_mesh``: a 1-D ``DeviceMesh`` whose ranks form the tensor-parallel group (instead
@@ -244,8 +251,8 @@ def parallelize(model, plan: Plan, *, group=None, device_mesh=None, checkpoint=N
 
     The plan and the checkpoint's keys and shapes are validated against the model before any
     collective call: an impossible split raises :class:`~ssmshard.plan.PlanError`, a missing
-    key or mismatched shape :class:`~ssmshard.runtime.checkpoint.CheckpointError`, in every
-    process at once.
+    key, mismatched shape or key the model has no weight for (unless ``allow_unexpected_keys``)
+    :class:`~ssmshard.runtime.checkpoint.CheckpointError`, in every process at once.
     ``packed=True`` also captures and shards the packed forward program, so ``forward`` accepts
     packed batches (:func:`ssmshard.pack`).
     """
@@ -256,7 +263,7 @@ def parallelize(model, plan: Plan, *, group=None, device_mesh=None, checkpoint=N
     source = keys = None
     if checkpoint is not None:
         source = SafetensorsCheckpoint(checkpoint)
-        keys = match_checkpoint(program, model, source)  # CheckpointError here, likewise
+        keys = match_checkpoint(program, model, source, allow_unexpected_keys=allow_unexpected_keys)  # likewise
     elif any(p.device.type == "meta" for p in model.parameters()):
         raise ValueError("the model is on the meta device (shapes only): pass checkpoint=DIR to read its "
                          "weights, or use ssmshard.parallelize_from_pretrained(DIR, plan)")
