@@ -70,6 +70,16 @@ def cmd_inspect(args) -> int:
             print(f"  {src[0]} [{src[1]}] -> {dst[0]} [{dst[1]}]")
     print(f"captured {type(model).__name__} ({args.mode}) in {seconds:.2f}s; "
           f"shapes served: {program.describe_ranges() or 'static'}")
+    if args.html:
+        from .views import sharded_programs, write_html
+
+        try:  # every rank's program, before the report below shards `program` in place
+            write_html(args.html, sharded_programs(program, model, ssmshard.Plan(tp=args.tp))
+                       if args.tp > 1 else [program])
+        except ssmshard.PlanError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(f"wrote {args.html}")
     if args.tp > 1:
         return _inspect_sharding(program, model, args.tp, args.rank)
     return 0
@@ -193,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--blocks", action="store_true", help="also print the block graph's edges")
     p.add_argument("--tp", type=int, default=1, help="also plan and shard for this many ranks and report")
     p.add_argument("--rank", type=int, default=0, help="the rank whose sharded program --tp reports")
+    p.add_argument("--html", metavar="PATH", help="also write every rank's program as one self-contained HTML "
+                   "page (blocks per layer, collectives, weight placements on hover, a rank selector)")
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("demo", help="capture a tiny model and check its programs against HF eager")
