@@ -55,7 +55,8 @@ class Browser:
         os.close(from_child)
         try:
             page = next(t for t in self.send("Target.getTargets")["targetInfos"] if t["type"] == "page")
-            self.session = self.send("Target.attachToTarget", targetId=page["targetId"], flatten=True)["sessionId"]
+            # Commands for the page go through its DevTools sessionId ("flat" mode: one pipe for all).
+            self.page_id = self.send("Target.attachToTarget", targetId=page["targetId"], flatten=True)["sessionId"]
             for domain in ("Page", "Runtime", "Log", "Network"):
                 self.page(f"{domain}.enable")
         except BaseException:
@@ -63,11 +64,11 @@ class Browser:
             raise
 
     # -------------------------------------------------------------- protocol
-    def send(self, method: str, session: str | None = None, **params) -> dict:
+    def send(self, method: str, target: str | None = None, **params) -> dict:
         message_id = next(self._ids)
         message = {"id": message_id, "method": method, "params": params}
-        if session:
-            message["sessionId"] = session
+        if target:
+            message["sessionId"] = target
         os.write(self._write, json.dumps(message).encode() + b"\0")
         deadline = time.monotonic() + self.timeout
         while True:
@@ -80,7 +81,7 @@ class Browser:
                 self.events.append(reply)
 
     def page(self, method: str, **params) -> dict:
-        return self.send(method, self.session, **params)
+        return self.send(method, self.page_id, **params)
 
     def _next_message(self, deadline: float) -> dict:
         while b"\0" not in self._buffer:
