@@ -17,6 +17,11 @@ import time
 import torch
 
 DEMO_TOLERANCE = 1e-5
+PLACEMENT_NOTATION = """placements (docs/design.md): R every rank holds the whole value; R~ the same, but its
+gradient is a per-rank partial sum; P every rank holds a summand; S(d:n/k,...) dimension d is a
+concatenation of segments, a segment of n elements cut into k equal pieces of which each rank
+holds one; n/k@s: s consecutive ranks hold the same piece. Example: S(0:128/4,32/2@2) on 4 ranks
+holds rows 32r..32r+31 of the first segment and piece r//2 (16 rows) of the second."""
 
 
 def _quiet_transformers() -> None:
@@ -196,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ssmshard", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("inspect", help="capture a model on the meta device and print its program")
+    p = sub.add_parser("inspect", help="capture a model on the meta device and print its program",
+                       epilog=PLACEMENT_NOTATION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help=f"a family name ({', '.join(BY_NAME)}), a config.json, or a checkpoint directory")
     p.add_argument("--mode", choices=("forward", "prefill", "decode", "chunk"), default="forward")
     p.add_argument("--graph", action="store_true", help="also print the full graph")

@@ -15,11 +15,10 @@ import pathlib
 import re
 
 import pytest
-import torch
 
 import ssmshard
 from ssmshard.cli import main
-from ssmshard.families import BY_NAME
+from ssmshard.families import BY_NAME, build_meta_model
 from ssmshard.placement import Shard, local_shape
 from ssmshard.views import render_html, sharded_programs
 
@@ -31,9 +30,7 @@ ARTIFACTS = pathlib.Path(os.environ.get("SSMSHARD_TEST_ARTIFACTS", ROOT / "test-
 
 def _meta_model(family):
     """The family's small model on the meta device: shapes only, as ``ssmshard inspect`` builds it."""
-    config = BY_NAME[family].make_config()
-    with torch.device("meta"):
-        return BY_NAME[family].model_class()(config).eval()
+    return build_meta_model(BY_NAME[family].make_config()).eval()
 
 
 _PROGRAMS = {}
@@ -83,11 +80,25 @@ def test_page_is_one_self_contained_file_with_every_rank():
         assert rank["bytes_per_token"] == sum(c["bytes_per_token"] for c in program.collectives)
 
 
-def test_cli_writes_the_page(tmp_path, capsys):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_cli_writes_the_page(tp, tmp_path, capsys):
     path = tmp_path / "mamba2.html"
-    assert main(["inspect", "mamba2", "--tp", "2", "--html", str(path)]) == 0
+    assert main(["inspect", "mamba2", "--tp", str(tp), "--html", str(path)]) == 0
     assert f"wrote {path}" in capsys.readouterr().out
-    assert len(_page_data(path.read_text())["ranks"]) == 2
+    ranks = _page_data(path.read_text())["ranks"]
+    assert len(ranks) == tp
+    weights = [w for row in ranks[0]["rows"] for b in row["blocks"] for w in b["weights"]]
+    in_proj = next(w for w in weights if w["fqn"] == "backbone.layers.0.mixer.in_proj.weight")
+    # unsharded: no placement and the global shape; tp=2: z, x, B, C, dt each halved (2 groups)
+    assert (in_proj["placement"], in_proj["local_shape"]) == (("-", [328, 64]) if tp == 1 else
+                                                              ("S(0:128/2,128/2,32/2,32/2,8/2)", [164, 64]))
+
+
+def test_inspect_help_explains_the_placement_notation(capsys):
+    with pytest.raises(SystemExit):
+        main(["inspect", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "S(d:n/k,...)" in out and "@s" in out and "R~" in out
 
 
 @pytest.fixture(scope="module")
