@@ -6,10 +6,12 @@ process of well under 2 GB (asserted in tests/test_capture.py). Wall time is mea
 not in the tests, because on a shared CI machine it is not a correctness property.
 
     python benchmarks/bench_capture.py [--layers 8 16 32 64] [--repeats 3] [--out FILE]
+    python benchmarks/bench_capture.py --smoke --out FILE     # 2 layers, one capture each: checks the script
 
 Each (family, mode, layers) point is the median of ``--repeats`` captures, each in a fresh
 process (export caches nothing across processes, and a fresh process is what a user pays).
-Writes JSON to --out (default benchmarks/results/capture/capture_cpu.json) and prints a table.
+Writes JSON to --out (default benchmarks/results/capture/capture_cpu.json), a plot beside it (.png,
+with matplotlib), and prints a table.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import subprocess
 import sys
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_common  # noqa: E402
 
 # Mamba-2.8B and Mamba2-2.7B widths; the depth is the swept variable.
 CONFIGS = {
@@ -59,7 +63,10 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["forward"], choices=["forward", "decode", "prefill"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "capture", "capture_cpu.json"))
+    parser.add_argument("--smoke", action="store_true", help="2 layers, one capture per point: checks the script")
     args = parser.parse_args()
+    if args.smoke:
+        args.layers, args.repeats = [2], 1
 
     import torch
     import transformers
@@ -86,6 +93,11 @@ def main() -> None:
         print(f"{r['family']:8} {r['mode']:8} {r['layers']:6d} {r['seconds_median']:9.2f} "
               f"{r['seconds_median'] / r['layers']:8.3f} {r['peak_rss_gb_max']:8.2f}")
     print(f"wrote {args.out}")
+    points = sorted({r["layers"] for r in rows})
+    series = {f"{f} {m}": [next((r["seconds_median"] for r in rows if (r["family"], r["mode"], r["layers"]) == (f, m, n)),
+                                None) for n in points] for f in args.families for m in args.modes}
+    bench_common.bar_chart(os.path.splitext(args.out)[0] + ".png", "capture on the meta device, median seconds",
+                           [f"{n} layers" for n in points], series, "seconds")
 
 
 if __name__ == "__main__":

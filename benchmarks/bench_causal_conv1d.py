@@ -8,10 +8,11 @@ decode update kernel at batch 1 and 64, a sweep of tile configurations, and the
 ``causal_conv1d`` package side by side when it imports. Bandwidth is compared with a
 measured device-to-device copy of the same bytes.
 
-    python benchmarks/bench_causal_conv1d.py [--out results.json] [--no-sweep]
+    python benchmarks/bench_causal_conv1d.py [--out results.json] [--no-sweep] [--smoke]
 
-Writes JSON to --out, else to $OUT/bench_causal_conv1d.json when $OUT is set; prints a
-short table last. About a minute on an H200.
+Writes JSON to --out, else to $OUT/bench_causal_conv1d.json (./ without $OUT), a plot beside it
+(.png, with matplotlib); prints a short table last. About a minute on an H200. ``--smoke`` runs
+tiny shapes on the CPU interpreter in seconds (checks the script; its times mean nothing).
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ import os
 import sys
 import time
 
-import torch
-import triton
-from triton.testing import do_bench
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_common  # noqa: E402  (first: --smoke selects Triton's CPU interpreter)
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -46,9 +49,16 @@ MAMBA2_D = 80 * 64 + 2 * 128  # Mamba2-2.7B conv channels: x (80 heads x 64) + B
 DEVICE = "cuda"
 SHAPES = [(8, MAMBA1_D, 2048), (8, MAMBA2_D, 2048), (1, MAMBA2_D, 16384)]  # (b, d, l)
 PACKED_SEQUENCES, PACKED_MAX_LEN = 16, 2048
+UPDATE_BATCHES = (1, 64)
+if bench_common.SMOKE:  # the script's flow on the CPU interpreter, at sizes it runs in seconds
+    MAMBA1_D, MAMBA2_D, DEVICE = 16, 24, "cpu"
+    SHAPES = [(2, MAMBA1_D, 24)]
+    PACKED_SEQUENCES, PACKED_MAX_LEN, UPDATE_BATCHES = 3, 12, (2,)
 
 
 def median_ms(fn) -> float:
+    if bench_common.SMOKE:
+        return bench_common.cpu_median_ms(fn)
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
@@ -179,7 +189,7 @@ def time_packed(results, bw_copy):
 
 def time_update(results):
     rows = []
-    for b in (1, 64):
+    for b in UPDATE_BATCHES:
         x = torch.randn(b, MAMBA2_D, device=DEVICE, dtype=torch.bfloat16)
         state = torch.randn(b, MAMBA2_D, K, device=DEVICE, dtype=torch.bfloat16)  # HF: s = k
         w = torch.randn(MAMBA2_D, K, device=DEVICE, dtype=torch.bfloat16)
@@ -246,7 +256,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="JSON path (default $OUT/bench_causal_conv1d.json)")
     parser.add_argument("--no-sweep", action="store_true", help="skip the tile-configuration sweep")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shapes on the CPU interpreter in seconds (no sweep): checks the script, measures nothing")
     args = parser.parse_args()
+    args.no_sweep = args.no_sweep or args.smoke
     if DEVICE == "cuda" and not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     started = time.time()
@@ -263,10 +276,17 @@ def main():
         sweep(results)
     results["seconds"] = time.time() - started
 
-    path = args.out or (os.path.join(os.environ["OUT"], "bench_causal_conv1d.json") if os.environ.get("OUT") else None)
-    if path:
-        with open(path, "w") as f:
-            json.dump(results, f, indent=1)
+    path = args.out or os.path.join(os.environ.get("OUT", "."), "bench_causal_conv1d.json")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"wrote {path}")
+    rows = results["conv"]
+    bench_common.bar_chart(os.path.splitext(path)[0] + ".png", f"causal conv1d, {results['device']}",
+                           [f"{r['b']}x{r['d']}x{r['l']} {r['layout'][:8]}" for r in rows],
+                           {"ours fwd": [r["fwd_ms"] for r in rows], "peer fwd": [r.get("peer_fwd_ms") for r in rows],
+                            "ours fwd+bwd": [r["fwd_bwd_ms"] for r in rows],
+                            "peer fwd+bwd": [r.get("peer_fwd_bwd_ms") for r in rows]}, "ms (median)", log=True)
 
     print(f"\n{results['device']}  torch {results['torch']}  triton {results['triton']}  copy {results['copy_TBps']:.2f} TB/s")
     print(PEER_NOTE)

@@ -14,8 +14,9 @@
 tiles, with and without segments, on the first two shapes (forward median and max relative
 error of y against the fp32 reference per config); ``--sweep-sequential`` the sequential
 forward's and the backward's launch configurations.
-Writes JSON to --out (default $OUT/bench_selective_scan.json, else ./bench_selective_scan.json)
-and prints a table. ``--smoke`` runs tiny shapes on the CPU interpreter (checks the script).
+Writes JSON to --out (default $OUT/bench_selective_scan.json, else ./bench_selective_scan.json),
+a plot beside it (.png, with matplotlib) and prints a table. ``--smoke`` runs tiny shapes on the
+CPU interpreter in seconds (checks the script; its times mean nothing).
 
 Dimension letters: b batch, d channels, l tokens, n state size.
 """
@@ -30,9 +31,8 @@ import platform
 import sys
 import time
 
-if "--smoke" in sys.argv:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_common  # noqa: E402  (first: --smoke selects Triton's CPU interpreter)
 import torch  # noqa: E402
 import triton  # noqa: E402
 
@@ -87,12 +87,7 @@ def timer(smoke):
     if not smoke:
         return lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
-    def cpu_time(fn):
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e3
-
-    return cpu_time
+    return bench_common.cpu_median_ms
 
 
 def rel_err(got, want):
@@ -133,7 +128,7 @@ def copy_roofline(device, smoke):
 
 
 def check_correctness(device, smoke, results):
-    b, d, l = (1, 8, 40) if smoke else (8, D_MODEL, 2048)
+    b, d, l = (1, 8, 24) if smoke else (8, D_MODEL, 2048)
     x = make_inputs(b, d, l, N_STATE, device)
     with torch.no_grad():
         y = selective_scan(*(x[k] for k in ORDER), True, out_dtype=torch.float32)
@@ -143,7 +138,7 @@ def check_correctness(device, smoke, results):
     results["correctness"] = {"forward": {"shape": [b, d, l, N_STATE], "rel_err": err}}
 
     # Gradients in fp32 (bf16 would only show the rounding of the returned gradients).
-    b, d, l = (1, 8, 40) if smoke else (2, 1024, 1024)
+    b, d, l = (1, 8, 24) if smoke else (2, 1024, 1024)
     x = make_inputs(b, d, l, N_STATE, device, dtype=torch.float32, seed=1)
     init = torch.randn(b, d, N_STATE, device=device)
     grads = []
@@ -399,8 +394,8 @@ def main():
     scan_fn = None if (args.no_mamba or args.smoke) else mamba_ssm_scan()
 
     if args.smoke:
-        shapes = [(2, 64, 128), (1, 64, 512)]
-        packed_total, packed_lo, packed_hi = 512, 16, 128
+        shapes = [(1, 8, 32)]  # the CPU interpreter takes seconds per launch
+        packed_total, packed_lo, packed_hi = 32, 4, 16
     else:
         shapes = [(8, D_MODEL, 2048), (1, D_MODEL, 16384)] + [(1, D_MODEL, l) for l in (2048, 4096, 8192)]
         packed_total, packed_lo, packed_hi = 16384, 64, 4096
@@ -453,7 +448,7 @@ def main():
     # Packed: log-uniform lengths summing to packed_total, one row.
     lengths = log_uniform_lengths(packed_total, packed_lo, packed_hi)
     cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=device)
-    x = make_inputs(1, D_MODEL if not args.smoke else 64, packed_total, N_STATE, device)
+    x = make_inputs(1, D_MODEL if not args.smoke else 8, packed_total, N_STATE, device)
     cfg = launch_config(1, x["u"].shape[1], packed_total, device, args.fwd_block_d, packed=True)
     f, fb = ours(x, cfg, cu_seqlens=cu)
     row = {"shape": f"packed {len(lengths)} seqs ({min(lengths)}..{max(lengths)}) d={x['u'].shape[1]} "
@@ -474,8 +469,8 @@ def main():
 
     # Decode step, Mamba-1 layout (the Mamba-2.8B mixer), state updated in place.
     decode = {}
-    for b in (1, 64):
-        d = D_MODEL if not args.smoke else 64
+    for b in (1,) if args.smoke else (1, 64):
+        d = D_MODEL if not args.smoke else 8
         state = torch.randn(b, d, N_STATE, device=device)
         xs = [torch.randn(b, d, device=device, dtype=torch.bfloat16) for _ in range(3)]
         A = -torch.rand(d, N_STATE, device=device)
@@ -506,6 +501,11 @@ def main():
             print(f"    {name:<46} {kind} {ms:8.3f}  diff {t['max_rel_diff']:.1e}")
         for name, t in r.get("sweep_sequential", {}).items():
             print(f"    sweep {name:<40} {t['fwd_ms']:8.3f} {t['fwd_bwd_ms']:8.3f}")
+    bench_common.bar_chart(os.path.splitext(out)[0] + ".png", f"Mamba-1 selective scan, {results['device']}",
+                           [r["shape"].split(" N=")[0] for r in rows],
+                           {"ours fwd": [r["ours_fwd_ms"] for r in rows], "peer fwd": [r.get("mamba_fwd_ms") for r in rows],
+                            "ours fwd+bwd": [r["ours_fwd_bwd_ms"] for r in rows],
+                            "peer fwd+bwd": [r.get("mamba_fwd_bwd_ms") for r in rows]}, "ms (median)", log=True)
     print(f"copy roofline {roofline / 1e9:.0f} GB/s; decode: "
           + ", ".join(f"{k} {v['ms'] * 1e3:.1f} us" for k, v in decode.items()))
     print(f"wrote {out} ({results['wall_s']:.0f} s)")

@@ -13,10 +13,11 @@ achieved bandwidth (unique input + output bytes / time, against a measured devic
 and FLOP rate (the SSD algorithm's useful FLOPs / time).
 
     python benchmarks/bench_ssd_scan.py [--out results.json] [--z] [--quick] [--no-autotune] [--no-mamba] [--profile]
-                                        [--cb-min-heads N]
+                                        [--cb-min-heads N] [--smoke]
 
-JSON goes to --out, else $OUT/bench_ssd_scan.json when $OUT is set. A short table is
-printed last.
+JSON goes to --out, else $OUT/bench_ssd_scan.json (./ without $OUT), a plot beside it (.png,
+with matplotlib); a short table is printed last. ``--smoke`` runs tiny shapes on the CPU
+interpreter in seconds (checks the script; its times mean nothing).
 
 Dimension letters: b batch, l length, h heads, p head dim, g groups, n state size, T chunk.
 """
@@ -30,15 +31,26 @@ import os
 import sys
 import time
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_common  # noqa: E402  (first: --smoke selects Triton's CPU interpreter)
+import torch  # noqa: E402
 from profiling import profile_kernels, summary  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 HEADS, HEADDIM, GROUPS, DSTATE, CHUNK = 80, 64, 1, 128, 256
-PACKED_TOKENS = 16384
+PACKED_TOKENS, PACKED_LO, PACKED_HI = 16384, 64, 4096
+if bench_common.SMOKE:  # the script's flow on the CPU interpreter, at sizes it runs in seconds
+    HEADS, HEADDIM, GROUPS, DSTATE, CHUNK = 2, 16, 1, 16, 16
+    PACKED_TOKENS, PACKED_LO, PACKED_HI = 40, 4, 16
+
+
+def median_ms(fn, **kwargs) -> float:
+    if bench_common.SMOKE:
+        return bench_common.cpu_median_ms(fn)
+    from triton.testing import do_bench
+
+    return do_bench(fn, return_mode="median", **kwargs)
 
 
 def parse_args():
@@ -54,6 +66,8 @@ def parse_args():
                         help="store C.B once per group when at least this many heads share one "
                              "(default: the library's CB_STORED_MIN_HEADS_PER_GROUP; a large value computes it per head)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shapes on the CPU interpreter in seconds: checks the script, measures nothing")
     return parser.parse_args()
 
 
@@ -74,11 +88,11 @@ def make_inputs(b, l, use_z, device, dtype=torch.bfloat16):
 
 
 def packed_lengths(total, generator):
-    """Log-uniform lengths in [64, 4096] until `total` tokens; the last one is cut to fit."""
+    """Log-uniform lengths in [PACKED_LO, PACKED_HI] until `total` tokens; the last one is cut to fit."""
     lengths = []
     while sum(lengths) < total:
         u = torch.rand((), generator=generator).item()
-        lengths.append(int(round(math.exp(math.log(64) + u * (math.log(4096) - math.log(64))))))
+        lengths.append(int(round(math.exp(math.log(PACKED_LO) + u * (math.log(PACKED_HI) - math.log(PACKED_LO))))))
     lengths[-1] -= sum(lengths) - total
     if lengths[-1] < 1:
         lengths.pop()
@@ -140,8 +154,6 @@ def reference_check(inp, cu_seqlens, with_grads):
 
 
 def bench_case(name, b, l, lengths, args, device, mamba_fn):
-    from triton.testing import do_bench
-
     from ssmshard.kernels.ssd_scan import ssd_scan
 
     inp = make_inputs(b, l, args.z, device)
@@ -172,8 +184,8 @@ def bench_case(name, b, l, lengths, args, device, mamba_fn):
         ours_fwd().backward(grad_out)
 
     with torch.no_grad():
-        result["ours_fwd_ms"] = do_bench(ours_fwd, return_mode="median")
-    result["ours_fwd_bwd_ms"] = do_bench(ours_fwd_bwd, grad_to_none=grad_leaves, return_mode="median")
+        result["ours_fwd_ms"] = median_ms(ours_fwd)
+    result["ours_fwd_bwd_ms"] = median_ms(ours_fwd_bwd, grad_to_none=grad_leaves)
     result["autotuned_configs"] = chosen_configs()
     if args.profile:
         with torch.no_grad():
@@ -191,8 +203,8 @@ def bench_case(name, b, l, lengths, args, device, mamba_fn):
         with torch.no_grad():
             ours_out = ours_fwd().float()
             result["mamba_vs_ours_out_err"] = rel_err(mamba_fwd(), ours_out)
-            result["mamba_fwd_ms"] = do_bench(mamba_fwd, return_mode="median")
-        result["mamba_fwd_bwd_ms"] = do_bench(mamba_fwd_bwd, grad_to_none=grad_leaves, return_mode="median")
+            result["mamba_fwd_ms"] = median_ms(mamba_fwd)
+        result["mamba_fwd_bwd_ms"] = median_ms(mamba_fwd_bwd, grad_to_none=grad_leaves)
         if args.profile:
             with torch.no_grad():
                 result["mamba_fwd_kernels"] = profile_kernels(mamba_fwd)
@@ -219,11 +231,9 @@ def chosen_configs():
 
 
 def copy_bandwidth_GBps(device):
-    from triton.testing import do_bench
-
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    src = torch.empty(1 << (16 if bench_common.SMOKE else 30), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), return_mode="median")
+    ms = median_ms(lambda: dst.copy_(src))
     return 2 * src.numel() / ms / 1e6
 
 
@@ -231,19 +241,19 @@ def main():
     args = parse_args()
     if args.no_autotune:
         os.environ["SSMSHARD_SSD_AUTOTUNE"] = "0"
-    if not torch.cuda.is_available():
-        sys.exit("bench_ssd_scan.py needs a CUDA GPU")
+    if not args.smoke and not torch.cuda.is_available():
+        sys.exit("bench_ssd_scan.py needs a CUDA GPU (or --smoke to check the script on the CPU)")
     import triton
 
     from ssmshard.kernels import ssd_scan_fwd
 
     if args.cb_min_heads is not None:
         ssd_scan_fwd.CB_STORED_MIN_HEADS_PER_GROUP = args.cb_min_heads
-    device = "cuda"
+    device = "cpu" if args.smoke else "cuda"
     torch.manual_seed(args.seed)
     generator = torch.Generator().manual_seed(args.seed)
-    mamba_fn, mamba_note = None, "mamba_ssm skipped (--no-mamba)"
-    if not args.no_mamba:
+    mamba_fn, mamba_note = None, "mamba_ssm skipped (--smoke)" if args.smoke else "mamba_ssm skipped (--no-mamba)"
+    if not args.no_mamba and not args.smoke:
         try:
             from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined as mamba_fn
             mamba_note = "mamba_ssm imported"
@@ -251,20 +261,20 @@ def main():
             mamba_note = f"mamba_ssm not available ({type(exc).__name__}: {exc}); ours only"
     print(mamba_note, flush=True)
 
-    cases = [("B8xL2048", 8, 2048, None)]
-    if not args.quick:
+    cases = [("B8xL2048", 8, 2048, None)] if not args.smoke else [("B2xL24", 2, 24, None)]
+    if not args.quick and not args.smoke:
         cases += [(f"B1xL{l}", 1, l, None) for l in (2048, 4096, 8192, 16384)]
     lengths = packed_lengths(PACKED_TOKENS, generator)
     cases.append((f"packed{len(lengths)}xL{PACKED_TOKENS}", 1, PACKED_TOKENS, lengths))
 
     report = {
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+        "device": "cpu-interpreter" if args.smoke else torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "shapes": {"heads": HEADS, "headdim": HEADDIM, "groups": GROUPS, "dstate": DSTATE, "chunk": CHUNK},
         "dtype": "bfloat16", "mamba_ssm": mamba_note, "packed_lengths": lengths,
         "cb_stored_min_heads_per_group": ssd_scan_fwd.CB_STORED_MIN_HEADS_PER_GROUP,
         "copy_GBps": copy_bandwidth_GBps(device), "cases": [],
     }
-    out_path = args.out or (os.path.join(os.environ["OUT"], "bench_ssd_scan.json") if os.environ.get("OUT") else None)
+    out_path = args.out or os.path.join(os.environ.get("OUT", "."), "bench_ssd_scan.json")
     start = time.time()
     for name, b, l, lens in cases:
         t0 = time.time()
@@ -273,11 +283,17 @@ def main():
         report["cases"].append(result)
         report["total_wall_s"] = round(time.time() - start, 1)
         print(json.dumps(result), flush=True)
-        if out_path:  # after every case, so a run cut short still leaves its results
-            with open(out_path, "w") as f:
-                json.dump(report, f, indent=2)
-    if out_path:
-        print(f"wrote {out_path}")
+        os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+        with open(out_path, "w") as f:  # after every case, so a run cut short still leaves its results
+            json.dump(report, f, indent=2)
+    print(f"wrote {out_path}")
+    cases_done = report["cases"]
+    bench_common.bar_chart(os.path.splitext(out_path)[0] + ".png", f"SSD chunk scan, {report['device']}",
+                           [c["case"] for c in cases_done],
+                           {"ours fwd": [c["ours_fwd_ms"] for c in cases_done],
+                            "peer fwd": [c.get("mamba_fwd_ms") for c in cases_done],
+                            "ours fwd+bwd": [c["ours_fwd_bwd_ms"] for c in cases_done],
+                            "peer fwd+bwd": [c.get("mamba_fwd_bwd_ms") for c in cases_done]}, "ms (median)", log=True)
 
     print(f"\n{report['device']}, bf16, h={HEADS} p={HEADDIM} n={DSTATE} g={GROUPS} T={CHUNK}, "
           f"copy {report['copy_GBps']:.0f} GB/s; {mamba_note}")

@@ -1,4 +1,4 @@
-"""Multi-GPU generation benchmark (issue 4): throughput, TTFT, TPOT, peak memory, longest prompt.
+"""Multi-GPU generation benchmark: throughput, TTFT, TPOT, peak memory, longest prompt.
 
     PYTHONPATH=$PWD python3 -m torch.distributed.run --standalone --nproc_per_node 4 \\
         benchmarks/generate_gpu.py --suite quick --out $OUT --budget-s 480

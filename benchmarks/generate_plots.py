@@ -14,7 +14,7 @@ import glob
 import json
 import os
 
-# The seed's expected throughput ratios against one GPU (issue 4).
+# The throughput ratios against one GPU that the tensor-parallel SSM paper reports (2 and 4 GPUs).
 SEED_RATIOS = {2: (1.6, 2.1), 4: (2.6, 4.0)}
 
 

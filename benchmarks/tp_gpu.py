@@ -2,6 +2,11 @@
 
     python benchmarks/tp_gpu.py equality --tp 1 2 4 --out DIR
     python benchmarks/tp_gpu.py throughput --tp 1 2 4 --batch 8 --seq 2048 --out DIR
+    python benchmarks/tp_gpu.py throughput --smoke --out DIR     # CPU, gloo, tiny model: checks the script
+
+Writes ``equality_tp<N>.json`` / ``throughput_tp<N>.json`` to DIR and a plot of what is there
+(``equality.png``, ``throughput.png``; matplotlib). ``--smoke`` runs tp 1 and 2 on CPU processes
+(gloo) with a tiny model in seconds; its figures mean nothing.
 
 equality: for each family's small test config (random O(1)-effect weights), the logits of the
 tp-rank DistributedModule in bf16 against HF eager in fp32 on the CPU, next to the error of our
@@ -23,14 +28,39 @@ import os
 import statistics
 import time
 
-import torch
+import sys
 
-import ssmshard
-from ssmshard.families import build_small_model
-from ssmshard.testing import randomize_weights, rel_err
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_common  # noqa: E402
+import torch  # noqa: E402
+
+import ssmshard  # noqa: E402
+from ssmshard.families import build_small_model  # noqa: E402
+from ssmshard.testing import randomize_weights, rel_err  # noqa: E402
 
 FAMILIES = [("mamba", {}), ("falcon_mamba", {}), ("mamba2", {}), ("mamba2", {"n_groups": 1}), ("zamba", {}),
             ("zamba2", {}), ("llama", {}), ("llama", {"num_key_value_heads": 1})]
+if bench_common.SMOKE:
+    FAMILIES = [("mamba2", {})]
+DEVICE = "cpu" if bench_common.SMOKE else "cuda"
+
+
+def _device_name() -> str:
+    return "cpu (gloo)" if DEVICE == "cpu" else torch.cuda.get_device_name()
+
+
+def _timed(fn) -> float:
+    """Seconds of one call: CUDA events on the GPU, the wall clock on the CPU (smoke runs)."""
+    if DEVICE == "cpu":
+        started = time.perf_counter()
+        fn()
+        return time.perf_counter() - started
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3
 
 
 def _write(out, name, rows):
@@ -47,12 +77,12 @@ def equality_rank(rank, world, out):
         ids = torch.randint(0, model.config.vocab_size, (4, 96), generator=gen)
         with torch.no_grad():
             reference = model(ids).logits  # fp32, CPU
-            model = model.to("cuda", torch.bfloat16)
-            hf_bf16 = model(ids.cuda()).logits.float().cpu()
+            model = model.to(DEVICE, torch.bfloat16)
+            hf_bf16 = model(ids.to(DEVICE)).logits.float().cpu()
         dm = ssmshard.parallelize(model, ssmshard.Plan(tp=world))
         with torch.no_grad():
-            ours = dm(ids.cuda()).float().cpu()
-        rows.append({"family": family, "overrides": overrides, "tp": world, "device": torch.cuda.get_device_name(),
+            ours = dm(ids.to(DEVICE)).float().cpu()
+        rows.append({"family": family, "overrides": overrides, "tp": world, "device": _device_name(),
                      "err_vs_fp32": rel_err(ours, reference), "hf_bf16_err_vs_fp32": rel_err(hf_bf16, reference),
                      "collectives": len(dm.program.collectives)})
     if rank == 0:
@@ -65,6 +95,9 @@ def equality_rank(rank, world, out):
 def mamba_2p8b_config():
     from transformers import MambaConfig
 
+    if bench_common.SMOKE:
+        return MambaConfig(vocab_size=256, hidden_size=64, state_size=16, num_hidden_layers=2, expand=2,
+                           conv_kernel=4, time_step_rank=8, use_cache=True)
     return MambaConfig(vocab_size=50280, hidden_size=2560, state_size=16, num_hidden_layers=64, expand=2,
                        conv_kernel=4, time_step_rank=160, use_cache=True)
 
@@ -92,39 +125,38 @@ def _init_on_gpu(model, seed=0, device="cuda"):
 def throughput_rank(rank, world, batch, seq, repeats, out):
     from transformers import AutoModelForCausalLM
 
+    config = mamba_2p8b_config()
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(mamba_2p8b_config(), dtype=torch.bfloat16)
-    model = model.to_empty(device="cuda")
-    _init_on_gpu(model)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model = model.to_empty(device=DEVICE)
+    _init_on_gpu(model, device=DEVICE)
     params = sum(p.numel() for p in model.parameters())
     started = time.perf_counter()
     dm = ssmshard.parallelize(model, ssmshard.Plan(tp=world, training=False))
     setup = time.perf_counter() - started
     del model
-    torch.cuda.empty_cache()
-    ids = torch.randint(0, 50280, (batch, seq), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    gen = torch.Generator(DEVICE).manual_seed(3)
+    ids = torch.randint(0, config.vocab_size, (batch, seq), device=DEVICE, generator=gen)
     times = []
-    torch.cuda.reset_peak_memory_stats()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     with torch.no_grad():
-        for i in range(repeats + 2):
+        for i in range(repeats + 2):  # two warm-up runs, then the timed ones
             torch.distributed.barrier()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dm(ids)
-            end.record()
-            torch.cuda.synchronize()
+            seconds = _timed(lambda: dm(ids))
             if i >= 2:
-                times.append(start.elapsed_time(end) / 1e3)
+                times.append(seconds)
     median = statistics.median(times)
     kernels = sorted({f"{r['op']}: {r['kernel'] or 'reference'}" for r in getattr(dm.program, "kernel_report", [])})
     row = {"config": "mamba-2.8b-sized", "params": params, "tp": world, "batch": batch, "seq": seq,
            "dtype": "bfloat16", "median_s": median, "all_s": times, "tokens_per_s": batch * seq / median,
-           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30, "setup_s": setup, "kernels": kernels or "reference (no swap_kernels pass)",
-           "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else None, "setup_s": setup,
+           "kernels": kernels or "reference (no swap_kernels pass)", "device": _device_name(), "torch": torch.__version__}
     if rank == 0:
         _write(out, f"throughput_tp{world}.json", row)
         print(f"tp={world} batch {batch} x seq {seq}: {median * 1e3:.1f} ms median of {repeats}, "
-              f"{row['tokens_per_s']:,.0f} tokens/s, peak {row['peak_mem_gib']:.1f} GiB/GPU, setup {setup:.0f}s",
+              f"{row['tokens_per_s']:,.0f} tokens/s, peak {row['peak_mem_gib'] or 0:.1f} GiB/GPU, setup {setup:.0f}s",
               flush=True)
 
 
@@ -135,16 +167,46 @@ def main():
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/tp_gpu"))
+    parser.add_argument("--smoke", action="store_true", help="CPU, gloo, tp 1 and 2, a tiny model: checks the script")
     args = parser.parse_args()
+    if args.smoke:
+        args.tp, args.batch, args.seq, args.repeats = [1, 2], 2, 16, 1
+    elif not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run on GPUs, or pass --smoke to check the script on the CPU")
     for tp in args.tp:
-        if torch.cuda.device_count() < tp:
+        if not args.smoke and torch.cuda.device_count() < tp:
             print(f"skipping tp={tp}: {torch.cuda.device_count()} GPUs")
             continue
         if args.what == "equality":
-            ssmshard.launch(equality_rank, tp, args.out)
+            ssmshard.launch(equality_rank, tp, args.out, backend="gloo" if args.smoke else None)
         else:
-            ssmshard.launch(throughput_rank, tp, args.batch, args.seq, args.repeats, args.out)
+            ssmshard.launch(throughput_rank, tp, args.batch, args.seq, args.repeats, args.out,
+                            backend="gloo" if args.smoke else None)
+    plot(args.what, args.out)
+
+
+def plot(what, out):
+    """A chart of every result file of this kind in ``out``."""
+    rows = []
+    for name in sorted(os.listdir(out)):
+        if name.startswith(what + "_tp") and name.endswith(".json"):
+            with open(os.path.join(out, name)) as f:
+                rows.append(json.load(f))
+    if not rows:
+        return
+    if what == "throughput":
+        rows.sort(key=lambda r: r["tp"])
+        bench_common.bar_chart(os.path.join(out, "throughput.png"),
+                               f"forward tokens/s, batch {rows[0]['batch']} x {rows[0]['seq']}, {rows[0]['device']}",
+                               [f"tp={r['tp']}" for r in rows], {"tokens/s": [r["tokens_per_s"] for r in rows]}, "tokens/s")
+    else:
+        rows.sort(key=lambda r: r[0]["tp"])
+        cases = [f"{c['family']} {c['overrides'] or ''}".strip() for c in rows[0]]
+        series = {f"ours tp={r[0]['tp']}": [c["err_vs_fp32"] for c in r] for r in rows}
+        series["HF eager bf16"] = [c["hf_bf16_err_vs_fp32"] for c in rows[0]]
+        bench_common.bar_chart(os.path.join(out, "equality.png"), f"bf16 logits vs fp32 HF eager, {rows[0][0]['device']}",
+                               cases, series, "relative error", log=True)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,11 @@ import time
 import torch
 
 DEMO_TOLERANCE = 1e-5
+PLACEMENT_NOTATION = """placements (docs/design.md): R every rank holds the whole value; R~ the same, but its
+gradient is a per-rank partial sum; P every rank holds a summand; S(d:n/k,...) dimension d is a
+concatenation of segments, a segment of n elements cut into k equal pieces of which each rank
+holds one; n/k@s: s consecutive ranks hold the same piece. Example: S(0:128/4,32/2@2) on 4 ranks
+holds rows 32r..32r+31 of the first segment and piece r//2 (16 rows) of the second."""
 
 
 def _quiet_transformers() -> None:
@@ -70,6 +75,16 @@ def cmd_inspect(args) -> int:
             print(f"  {src[0]} [{src[1]}] -> {dst[0]} [{dst[1]}]")
     print(f"captured {type(model).__name__} ({args.mode}) in {seconds:.2f}s; "
           f"shapes served: {program.describe_ranges() or 'static'}")
+    if args.html:
+        from .views import sharded_programs, write_html
+
+        try:  # every rank's program, before the report below shards `program` in place
+            write_html(args.html, sharded_programs(program, model, ssmshard.Plan(tp=args.tp))
+                       if args.tp > 1 else [program])
+        except ssmshard.PlanError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(f"wrote {args.html}")
     if args.tp > 1:
         return _inspect_sharding(program, model, args.tp, args.rank)
     return 0
@@ -186,13 +201,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ssmshard", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("inspect", help="capture a model on the meta device and print its program")
+    p = sub.add_parser("inspect", help="capture a model on the meta device and print its program",
+                       epilog=PLACEMENT_NOTATION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help=f"a family name ({', '.join(BY_NAME)}), a config.json, or a checkpoint directory")
     p.add_argument("--mode", choices=("forward", "prefill", "decode", "chunk"), default="forward")
     p.add_argument("--graph", action="store_true", help="also print the full graph")
     p.add_argument("--blocks", action="store_true", help="also print the block graph's edges")
     p.add_argument("--tp", type=int, default=1, help="also plan and shard for this many ranks and report")
     p.add_argument("--rank", type=int, default=0, help="the rank whose sharded program --tp reports")
+    p.add_argument("--html", metavar="PATH", help="also write every rank's program as one self-contained HTML "
+                   "page (blocks per layer, collectives, weight placements on hover, a rank selector)")
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("demo", help="capture a tiny model and check its programs against HF eager")

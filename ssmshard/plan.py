@@ -2,8 +2,9 @@
 
 A plan is a list of rules. Each rule matches weights by a glob over the parameter FQN and/or
 the block kind and role the ``tag`` pass gave them, and names a style. Styles know the
-layouts of each mixer (see DESIGN.md) and turn a weight into a :class:`~ssmshard.placement.Shard`
-or :class:`Replicate`. Later rules (user overrides) win over the family defaults.
+layouts of each mixer (docs/parallel_layouts.md) and turn a weight into a
+:class:`~ssmshard.placement.Shard` or :class:`Replicate` (the notation: docs/design.md). Later
+rules (user overrides) win over the family defaults.
 
 Everything here runs before any process group exists: ``Plan.layout(program, model)``
 computes every weight's placement and raises :class:`PlanError` naming the parameter and

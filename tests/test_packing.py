@@ -254,7 +254,7 @@ def _with_fresh_leaves(program):
 PACKED_FAMILIES = ["mamba", "mamba2", "zamba2", "llama"]
 
 # Gradient bounds (whole vector, per tensor), float32. Largest errors measured over random seeds
-# on the reference ops (this session's sweeps, 200-500 seeds each): Mamba 1.1e-6 / 4.4e-5,
+# on the reference ops (sweeps of 200-500 seeds each): Mamba 1.1e-6 / 4.4e-5,
 # Mamba-2 4.2e-6 / 5.4e-6, Llama 6.6e-7 / 1.2e-6, all within (TOL, 1e-4). Zamba2 reached
 # 3.6e-5 / 1.1e-4 (8 of 300 seeds over 1e-5): the model amplifies float32 rounding in the
 # backward pass (growing through its shared attention blocks) five to nine times more than the
@@ -263,13 +263,13 @@ PACKED_FAMILIES = ["mamba", "mamba2", "zamba2", "llama"]
 # 1.7e-6); the packed program's error is at most 11x that (Mamba-2: 8.7x). A state leaking
 # across a boundary moves gradients by O(1).
 _GRAD_TOLS = {"zamba2": (1e-4, 5e-4)}
-# On the GPU kernels, per tensor, Mamba-2 is back at the reference ops' bounds. Until the
-# thirteenth session the SSD backward took the log-decay gradient from an identity whose
+# On the GPU kernels, per tensor, Mamba-2 is back at the reference ops' bounds. Before the
+# stable pairwise form, the SSD backward took the log-decay gradient from an identity whose
 # in-chunk terms cancel (ssd_scan_bwd's da_terms): the A_log gradient then erred sixteen times
 # the reference ops' float32 error (H200, seed 917710232: 2.7e-5 against 1.7e-6 from float64)
 # and packed against one at a time reached 1.4e-4 to 1.6e-4, which needed 5e-4 here. With the
-# pairwise form, seed 917710232 and seeds 1-11 pass at 1e-4 on an H200
-# (benchmarks/results/kernels/session13/call9_packing_bound/). A leak moves gradients by O(1).
+# pairwise form, seed 917710232 and seeds 1-11 pass at 1e-4 on an H200 (docs/kernels.md,
+# precision notes). A leak moves gradients by O(1).
 _KERNEL_GRAD_TOLS = {"mamba2": (TOL, 1e-4), "zamba2": (1e-4, 5e-4)}
 
 

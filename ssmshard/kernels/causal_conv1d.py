@@ -637,8 +637,8 @@ def _in_tile_layout(t: Tensor, config: TileConfig) -> Tensor:
     The tiles are laid out for x's memory layout; a gradient in the other one turns every
     vector access into one 32-byte sector per element. Mamba's conv gets exactly that: x is a
     channels-contiguous slice of in_proj's output, the scan's du is tokens-contiguous. Measured
-    on an H200 (benchmarks/results/kernels/bench_train_layouts.json, d=4096, one packed row of
-    8,130 tokens): conv forward+backward 9.33 ms as handed in, 0.88 ms with this copy; in a
+    on an H200 (d=4096, one packed row of 8,130 tokens; docs/kernels.md): conv
+    forward+backward 9.33 ms as handed in, 0.88 ms with this copy; in a
     Mamba-1.4B-sized training step the conv backward had been 30.6% of the GPU time."""
     unit_axis = 1 if config.channels_last else 2
     if t.stride(unit_axis) == 1:

@@ -1,10 +1,9 @@
 """Host-side integer helpers for kernel launches.
 
 Plain Python on purpose: ``triton.cdiv`` and ``triton.next_power_of_2`` are constexpr
-functions, and every host call of one goes through Triton's constexpr unwrapping. On the H200
-machine's host that cost the Mamba-1 scan's forward+backward 49-79 us per call in all
-(benchmarks/results/kernels/session16/host_sections.jsonl), for arithmetic worth a few
-hundred nanoseconds.
+functions, and every host call of one goes through Triton's constexpr unwrapping. On an H200
+host that cost the Mamba-1 scan's forward+backward 49-79 us per call in all (timed per host
+section; docs/kernels.md), for arithmetic worth a few hundred nanoseconds.
 """
 
 from __future__ import annotations

@@ -95,8 +95,8 @@ def token_mask(t, l, WHOLE: tl.constexpr):
     Why the constant: Triton vectorises a masked access only when it can prove the mask
     constant over each vector, and for ``t < l`` it can only when l is a multiple of 16, which
     packed rows, padded batches and single sequences rarely are. With the comparison, every
-    tile of such a row moves its tokens one scalar at a time (offline sm_90 PTX:
-    ``benchmarks/compile_scan_alignment.py``), so callers scan a row's whole tiles with
+    tile of such a row moves its tokens one scalar at a time (seen in the offline sm_90 PTX;
+    docs/kernels.md), so callers scan a row's whole tiles with
     WHOLE = True and only its last, partial tile with the comparison.
     """
     if WHOLE:

@@ -141,23 +141,23 @@ def default_config(b: int, d: int, l: int, device: torch.device, packed: bool = 
     same segments, with its registers capped at 168 (227 uncapped: 12 resident warps per SM
     instead of 8; no spills in its loops).
 
-    Every pick won a sweep on an H200 (``benchmarks/results/kernels/``):
+    Every pick won a sweep on an H200 (docs/kernels.md; benchmarks/results/kernels/):
     - forward: the parallel variant with 32-channel, 4-token tiles on one warp (1.343 ms against
       the sequential 2.719 ms at B=8 d=5120 L=2048);
     - backward: the parallel variant with 8-channel, 4-token tiles on one warp (forward+backward
       10.81 ms against the tile backward's 17.58 ms at B=8 L=2048, before later changes);
-    - segments and the cap (seventh session, d=5120): at B=1 L=16384, 26 segments and the cap
+    - segments and the cap (d=5120): at B=1 L=16384, 26 segments and the cap
       took forward+backward from 10.94 ms (7 segments, uncapped) to 9.03 ms and the forward
       from 2.24 to 1.55 ms; on a packed row of 16384 tokens 11.56 -> 9.53 ms; at L=8192
       5.29 -> 4.61 ms. At B=8 L=2048 the cap alone slowed it (8.46 -> 9.05 ms), and splits
       between 2 and 7 warps per SM were not measured.
-    - forward tile on split rows (eighth session): 16 channels where the row is one sequence
+    - forward tile on split rows: 16 channels where the row is one sequence
       (B=1 d=5120, one run, CUDA-graph medians: L=2048 0.265 -> 0.250 ms, 16384 1.543 ->
       1.497 ms), 32 on packed rows (16 took the 16384-token row from 1.703 to 1.966 ms, in a
       run that shared its host with a compile).
-    - segments of at least 128 tokens, not 256 (thirteenth session, B=1 d=5120, CUDA-graph
-      medians, ``benchmarks/sweep_scan_split.py``): L=2048 gets 16 segments instead of 8,
-      forward 0.2509 -> 0.2234 ms and forward+backward 1.321 -> 1.260 ms; L=4096 gets 22
+    - segments of at least 128 tokens, not 256 (B=1 d=5120, CUDA-graph medians; the sweep is
+      benchmarks/results/kernels/mamba1_scan_batch1_split_sweep.json): L=2048 gets 16 segments
+      instead of 8, forward 0.2509 -> 0.2234 ms and forward+backward 1.321 -> 1.260 ms; L=4096 gets 22
       instead of 16, forward 0.4242 -> 0.4199 ms, forward+backward 2.376 -> 2.353 ms; longer
       rows keep their split. The sweep's times zigzag with the segment count (whole waves of
       one-warp programs), reproducibly to about 1%: its best, 11 segments at L=2048
@@ -181,7 +181,7 @@ def _pick_config(b: int, d: int, l: int, device: torch.device, packed: bool) -> 
 
 
 # Every layer of a model asks with the same shape; picking took 20 us of host time per call on
-# the H200 machine (benchmarks/results/kernels/session16/host_parts.jsonl).
+# an H200 host (timed per host section; docs/kernels.md).
 _cached_config = functools.lru_cache(maxsize=1024)(_pick_config)
 
 
@@ -309,8 +309,8 @@ def _bc4(t: Tensor) -> Tensor:
 # a few consecutive tokens per thread as one vector, and Triton only emits vector accesses when
 # it can prove the row start aligned, i.e. when every stride but the last is a multiple of 16.
 # Packed rows have arbitrary lengths: measured on an H200 (d=4096, bf16), the forward took
-# 2.812 ms at l=8130 against 0.776 ms at l=8128 (benchmarks/results/kernels/scan_length_alignment.log);
-# with aligned rows and whole tiles scanned unmasked (scan_common.token_mask), 1.065 ms.
+# 2.812 ms at l=8130 against 0.776 ms at l=8128; with aligned rows and whole tiles scanned
+# unmasked (scan_common.token_mask), 1.065 ms (docs/kernels.md).
 _ROW_ALIGN = 16
 
 
@@ -425,7 +425,7 @@ def _chain_segments(seg_end: Tensor, seg_decay: Tensor, carry: Tensor, reverse: 
     passes' (b, G, n, d) results. A kernel of its own: chaining inside the main passes (each
     program folding the segments before its own) cost more, measured on an H200 at B=1 d=5120
     L=2048: the training forward's main pass took 208 us with the chain against 167 us without,
-    where this kernel took 8.0 us before its loads were unrolled (benchmarks/results/kernels/session14)."""
+    where this kernel took 8.0 us before its loads were unrolled (docs/kernels.md)."""
     bsz, num_segments, n, d = seg_end.shape
     block = 1024
     segment_carry_kernel[(cdiv(n * d, block), bsz)](

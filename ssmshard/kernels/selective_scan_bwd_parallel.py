@@ -15,7 +15,7 @@ over channels (dB, dC) are then in the thread plus one shuffle, and the sums ove
 indices (du, ddelta, y for dz) cost four shuffle rounds each, yet little in all (dropping the y
 sum saved 8 of pass B's 342 shuffles per tile under triton 3.6, measured while the adjoint still
 scanned in reverse). A reverse ``tl.associative_scan`` would cost 220 more; see ``_adjoint`` and
-benchmarks/results/kernels/README.md.
+docs/kernels.md.
 
 Per checkpoint chunk (walked from last to first):
   pass A, forward over the chunk's tiles from the checkpoint state, stores the state
@@ -66,7 +66,7 @@ def _adjoint(lam_next, dt_next, A2, C, dy_ssm, tv3, seq, is_end, ch3, n3, state_
     # A reverse scan, written as a forward scan over the flipped token axis. tl.associative_scan's
     # own reverse=True compiles (triton 3.6, sm_90) to 220 lane shuffles per tile although the
     # token axis sits in the thread: pass B's hot loop had 1,221 instructions, 342 of them
-    # SHFL; flipped, 1,001 and 122 (benchmarks/roofline_scan.py). In the flipped order the
+    # SHFL; flipped, 1,001 and 122 (offline SASS; docs/kernels.md). In the flipped order the
     # recurrence lam_t = source_t + a_{t+1} lam_{t+1} runs forward with decay a_{t+1}.
     _, lam_flipped = tl.associative_scan((tl.flip(decay_next, 1), tl.flip(source, 1)), 1, linear_recurrence_combine)
     lam = tl.flip(lam_flipped, 1)
@@ -205,7 +205,8 @@ def scan_bwd_parallel_kernel(
         # PREFETCH the adjoint's per-token inputs are loaded one tile ahead (as in the forward):
         # their latency then overlaps a tile's work instead of heading its softplus -> scan chain.
         # It needs registers: on an H200 it took B=8 L=2048 forward+backward from 8.05 to
-        # 7.84-7.89 ms uncapped, and cost split rows (capped at 168) 1.3-3.7% (session14/call8).
+        # 7.84-7.89 ms uncapped, and cost split rows (capped at 168) 1.3-3.7%
+        # (benchmarks/results/kernels/mamba1_scan_backward_prefetch.jsonl).
         for phase in tl.static_range(1, -1, -1):
             j_first, count = tile_phase(phase, whole, tiles)
             if PREFETCH:

@@ -198,7 +198,7 @@ def scan_fwd_parallel_kernel(
     ``ckpt_chunk`` is a compile-time constant: as a runtime value, the per-tile checkpoint test
     (t0 % ckpt_chunk, and the in-tile edge test behind ``T > ckpt_chunk``) took the training
     forward's loop to 580 SASS instructions per 16-channel tile (442 now) and to 1,042 with 15
-    spills per 32-channel tile (772 now; sm_90, triton 3.6, benchmarks/results/kernels/session14)."""
+    spills per 32-channel tile (772 now; offline sm_90 SASS, triton 3.6)."""
     pid_blk = tl.program_id(0)
     pid_b = tl.program_id(1)
     pid_seg = tl.program_id(2)
@@ -248,7 +248,7 @@ def scan_fwd_parallel_kernel(
         # u and delta are read one tile ahead: their loads then overlap a whole tile's work
         # instead of heading the softplus -> exp2 -> scan chain that each tile waits on
         # (H200, no-grad forward, device time: 1.307 -> 1.242 ms at B=8 L=2048, 0.218 ->
-        # 0.214 ms at B=1 L=2048; session14/call5).
+        # 0.214 ms at B=1 L=2048).
         u_next, delta_next = _load_u_delta(tl.multiple_of(t_begin + first * T, T), count > 0, tv, l, ch_mask,
                                            u_rows, su_l, delta_rows, sdl_l, phase == 0)
         for k in range(count):

@@ -22,7 +22,7 @@ Why not the shorter identity dcs_t = C_t . dC_t - dt_t ddt_t(direct) + [t = L] <
 S_out> with da = suffix sums of dcs: it carries every pair (i, j) twice with opposite signs,
 and the float32 rounding of those large sums is left behind: on an H200 (fp32, Mamba-2's
 regime, 10 seeds) dA erred up to 3.0e-5 of its largest head's value with it, 2.9e-6 with
-the form above (benchmarks/results/kernels/session13/). The form costs ssd_dx_dB_kernel
+the form above (benchmarks/results/kernels/ssd_stable_dA.json). The form costs ssd_dx_dB_kernel
 about a quarter more time (bf16 Mamba2-2.7B forward+backward at B=8 x 2048: 4.62 -> 5.04 ms).
 
 Kernels (after the forward states are recomputed with ssd_chunk_states_kernel):
@@ -378,7 +378,7 @@ def _clamp_block(kw, args):
 
 
 # Configs: none spills registers (or only a few bytes) for sm_90 at Mamba2-2.7B sizes
-# (benchmarks/compile_ssd_scan.py).
+# (compiled offline and read with cuobjdump).
 _C = triton.Config
 _KEY = ["headdim", "dstate", "chunk_size", "tune_bucket"]
 state_grads = TunableKernel(

@@ -128,7 +128,7 @@ def ssd_chunk_states_kernel(
     # blocks: Triton pipelines a loop's loads across its own iterations only, so the next
     # chunk's x and B now load while this chunk's products run. With the weights decayed to
     # the chunk's end (not the block's) and tile offsets that do not move with the loop,
-    # 0.262 -> 0.222 ms at B=1 x 16384 and 0.034 -> 0.027 ms at B=1 x 2048 (H200, session 11).
+    # 0.262 -> 0.222 ms at B=1 x 16384 and 0.034 -> 0.027 ms at B=1 x 2048 (H200).
     for i in range(0, n_blocks):
         kk = i // blocks_per_chunk  # chunk of the sequence
         t0 = (i - kk * blocks_per_chunk) * BLOCK_T  # block start inside the chunk
@@ -234,7 +234,7 @@ def ssd_chunk_output_kernel(
     for j0 in range(0, tl.minimum(row0 + BLOCK_M, length), BLOCK_K):
         # Vector loads of cs and dt: the loop body of the 64 x 32 config went from 408 to
         # 357 sm_90 instructions; with the single select, the kernel from 0.510 to
-        # 0.430-0.454 ms at B=8 x 2048 (H200, session 10).
+        # 0.430-0.454 ms at B=8 x 2048 (H200).
         offs_j, cs_j, dt_j = load_chunk_decay(cs_row, dtd_row, j0, decay_stride, BLOCK_K)
         mask_j = offs_j < length
         x_j = load_tile(x_chunk, offs_j, mask_j, stride_x_t, offs_p, mask_p, stride_x_p)
@@ -287,7 +287,7 @@ def _tune_bucket(n: int) -> int:
 def _states_tune_bucket(table: ChunkTable, h: int) -> int:
     """Autotune key of the chunk states: the programs (sequences x heads) and how many chunks
     each walks, one power-of-two range of each. Keyed on programs alone, B=1 x 2048 chose
-    for B=1 x 16384 too, and its pick took 0.297 ms there against 0.212 ms (H200, session 11)."""
+    for B=1 x 16384 too, and its pick took 0.297 ms there against 0.212 ms (H200)."""
     return _tune_bucket(table.n_seqs * h) * 64 + _tune_bucket(-(-table.n_slots // max(table.n_seqs, 1)))
 
 
@@ -306,7 +306,7 @@ def _clamp_output(kw, args):
     return kw
 
 
-# Configs: none spills registers for sm_90 at Mamba2-2.7B sizes (benchmarks/compile_ssd_scan.py).
+# Configs: none spills registers for sm_90 at Mamba2-2.7B sizes (compiled offline, cuobjdump).
 _C = triton.Config
 chunk_states = TunableKernel(
     ssd_chunk_states_kernel,
@@ -334,7 +334,7 @@ chunk_output = TunableKernel(
         _C({"BLOCK_M": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
         # 32-row blocks: 12% of the causal quadratic form's tiles lie above the diagonal,
         # against 25% for 64-row blocks (chunk 256). Picked at B=8 x 2048 and B=1 x 2048
-        # (H200); 5 stages or 4 warps never were (session 10, call 4).
+        # (H200); 5 stages or 4 warps never were, at any shape.
         _C({"BLOCK_M": 32, "BLOCK_K": 32}, num_warps=2, num_stages=3),
     ],
     key=["headdim", "dstate", "chunk_size", "tune_bucket", "CB_STORED"],
@@ -350,14 +350,13 @@ chunk_output = TunableKernel(
 # head dim 64 (bf16), so 4x x at the threshold.
 CB_STORED_MIN_HEADS_PER_GROUP = 2
 # Rows and columns per C.B^T tile: (64 x n) C and B tiles fit the tensor cores with no spill
-# at n = 128 (benchmarks/compile_ssd_scan.py); the kernel takes about 1% of the forward.
+# at n = 128 (compiled offline, cuobjdump); the kernel takes about 1% of the forward.
 _CB_BLOCK = 64
 
 
 # Heads per dt-kernel program: a token's heads are adjacent in a (t, h) dt. One head per
 # program took 0.0106 ms at B=1 x 16384 and B=8 x 2048 (h=80, H200), 8 heads 0.0060, 16 heads
-# 0.0066 (fewer programs); at B=1 x 2048, 8 heads 0.0025 against 0.0027 for one
-# (benchmarks/results/kernels/session11/dt_sweep.log).
+# 0.0066 (fewer programs); at B=1 x 2048, 8 heads 0.0025 against 0.0027 for one.
 _DT_BLOCK_H = 8
 
 

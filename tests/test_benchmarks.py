@@ -1,0 +1,68 @@
+"""The product benchmarks: each answers --help and runs its --smoke mode on the CPU.
+
+A smoke run checks the script end to end at tiny sizes (the Triton kernels on the CPU
+interpreter, processes on gloo): it writes its JSON, and its plot where matplotlib is installed
+(the `bench` extra). Its timings mean nothing. generate_gpu.py and train_packed.py have their own
+smoke tests (tests/test_generate_bench.py, tests/test_train_packed_bench.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(REPO, "benchmarks")
+SCRIPTS = ["bench_capture.py", "bench_selective_scan.py", "bench_ssd_scan.py", "bench_causal_conv1d.py",
+           "generate_gpu.py", "tp_gpu.py", "train_packed.py"]
+HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def test_every_product_benchmark_answers_help_and_has_a_smoke_mode():
+    assert sorted(n for n in os.listdir(BENCH) if n.endswith(".py") and n not in ("bench_common.py", "profiling.py",
+                                                                                  "generate_plots.py")) == sorted(SCRIPTS)
+    runs = {name: subprocess.Popen([sys.executable, os.path.join(BENCH, name), "--help"], env=_env(),
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for name in SCRIPTS}
+    for name, proc in runs.items():
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, (name, err[-2000:])
+        assert "--smoke" in out, name
+
+
+# (script and arguments, the JSON it writes, the plot beside it, a check of the JSON)
+SMOKES = {
+    "capture": (["bench_capture.py", "--out", "{out}/capture.json"], "capture.json", "capture.png",
+                lambda r: {row["family"] for row in r["rows"]} == {"mamba", "mamba2"}
+                and all(row["seconds_median"] > 0 for row in r["rows"])),
+    "selective_scan": (["bench_selective_scan.py", "--out", "{out}/scan.json"], "scan.json", "scan.png",
+                       lambda r: r["correctness"]["forward"]["rel_err"] < 1e-2 and len(r["scan"]) == 2
+                       and all(row["ours_fwd_ms"] > 0 and row["ours_fwd_bwd_ms"] > 0 for row in r["scan"])),
+    "ssd_scan": (["bench_ssd_scan.py", "--out", "{out}/ssd.json"], "ssd.json", "ssd.png",
+                 lambda r: len(r["cases"]) == 2 and all(c["errors"]["out"] < 5e-2 for c in r["cases"])),
+    "causal_conv1d": (["bench_causal_conv1d.py", "--out", "{out}/conv.json"], "conv.json", "conv.png",
+                      lambda r: len(r["conv"]) == 2 and r["packed"]["fwd_ms"] > 0
+                      and all(e["state_exact"] for e in r["update"])),
+    "tp_forward": (["tp_gpu.py", "throughput", "--out", "{out}"], "throughput_tp2.json", "throughput.png",
+                   lambda r: r["tp"] == 2 and r["tokens_per_s"] > 0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SMOKES))
+def test_smoke_run_writes_json_and_plot(name, tmp_path):
+    argv, json_name, png_name, check = SMOKES[name]
+    argv = [a.format(out=tmp_path) for a in argv]
+    run = subprocess.run([sys.executable, os.path.join(BENCH, argv[0]), *argv[1:], "--smoke"], env=_env(),
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    with open(tmp_path / json_name) as f:
+        assert check(json.load(f))
+    assert (tmp_path / png_name).exists() == HAVE_MATPLOTLIB, run.stdout[-2000:]
