@@ -1,6 +1,6 @@
 """ssmshard: capture Hugging Face SSM, hybrid and Llama-style models as FX programs and rewrite them."""
 
-from . import collectives, ops  # noqa: F401  (register torch.ops.ssmshard.*)
+from . import comm, ops  # noqa: F401  (register torch.ops.ssmshard.*)
 from . import passes
 from .capture import capture
 from .families import FAMILIES, build_small_model, family_of

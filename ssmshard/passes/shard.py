@@ -803,7 +803,7 @@ RULES = {
 @register("shard")
 def shard(program, ctx):
     """Rewrite ``program`` into rank ``ctx.options['rank']``'s local program (see module docstring)."""
-    from ..collectives import declare_group_size
+    from ..comm import declare_group_size
 
     options = ctx.options
     declare_group_size(options.get("group", "tp"), options["tp"])

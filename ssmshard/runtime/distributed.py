@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from ..capture import capture
 from ..packing import PackedBatch
-from ..collectives import all_reduce, register_group
+from ..comm import all_reduce, register_group
 from ..families import build_meta_model
 from ..passes import run_pipeline
 from ..passes.shard import ShardingError
@@ -316,7 +316,7 @@ def _sharded(program, model, plan, options):
 
 
 def _group_of(program):
-    from ..collectives import resolve_group
+    from ..comm import resolve_group
 
     return resolve_group(program.shard["group"])
 

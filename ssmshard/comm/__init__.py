@@ -1,0 +1,19 @@
+"""Communication for sharded programs: named groups, their backends, and collective ops.
+
+* :mod:`.groups`: a group name resolves to a backend (a ``torch.distributed`` ProcessGroup, or
+  a :class:`SimulatedGroup`); :func:`rank_of` / :func:`world_of` answer for either.
+* :mod:`.simulated`: all ranks as threads of one process (:func:`run_simulated`).
+* :mod:`.ops`: the ``torch.ops.ssmshard`` collectives with fake kernels and autograd; its
+  docstring tables every op's forward, backward and gradient convention.
+"""
+
+from .groups import (CollectiveBackend, ProcessGroupBackend, backend_of, declare_group_size, rank_of,
+                     register_group, registered, resolve_group, unregister_group, world_of)
+from .ops import (all_gather, all_gather_partial_grad, all_reduce, all_to_all, broadcast, padded_chunk,
+                  reduce, reduce_scatter, shift, tp_copy)
+from .simulated import SimulatedGroup, SimulatedGroupError, run_simulated
+
+__all__ = ["CollectiveBackend", "ProcessGroupBackend", "SimulatedGroup", "SimulatedGroupError", "all_gather",
+           "all_gather_partial_grad", "all_reduce", "all_to_all", "backend_of", "broadcast", "declare_group_size",
+           "padded_chunk", "rank_of", "reduce", "reduce_scatter", "register_group", "registered", "resolve_group",
+           "run_simulated", "shift", "tp_copy", "unregister_group", "world_of"]
