@@ -94,6 +94,7 @@ def _inspect_sharding(program, model, tp, rank) -> int:
     """Plan, shard and report one rank's program on meta: no process group, no weights."""
     import ssmshard
     from .passes import run_pipeline
+    from .passes.shard import sharding_steps
 
     plan = ssmshard.Plan(tp=tp)
     try:
@@ -103,7 +104,7 @@ def _inspect_sharding(program, model, tp, rank) -> int:
         return 2
     print(plan.explain(program, model))
     options = {"placements": placements, "rank": rank, "tp": tp, "group": "inspect", "training": False}
-    sharded = run_pipeline(program, [("shard", options), "collectives"])
+    sharded = run_pipeline(program, sharding_steps(options))
     print(sharded.report())
     return 0
 

@@ -2,6 +2,11 @@
 
 * ``Replicate()``: every rank holds the whole value.
 * ``Partial()``: every rank holds a summand; the value is their sum (after a row-parallel matmul).
+* ``SeqShard(dim)``: the sequence dim ``dim`` (symbolic length L) is cut into ``tp`` equal
+  chunks of ceil(L / tp) tokens after padding it with zeros to a multiple of ``tp``; rank ``r``
+  holds chunk ``r``. Sequence parallelism keeps the residual stream like this between blocks;
+  the padding lives only between the collectives that create and remove it, so any length
+  (also L < tp) runs with the same local shape on every rank.
 * ``Shard(dim, segments)``: dimension ``dim`` is a concatenation of ``segments``; each segment
   is cut into ``pieces`` equal chunks and rank ``r`` holds chunk ``(r // stride) % pieces`` of
   every segment, concatenated in order. One segment with ``pieces == tp`` is the usual
@@ -82,7 +87,18 @@ class Shard:
         return f"S({self.dim}:{segs})"
 
 
-Placement = Replicate | Partial | Shard
+@dataclasses.dataclass(frozen=True)
+class SeqShard:
+    dim: int  # non-negative; the sequence dim of an activation
+
+    def with_dim(self, dim: int) -> "SeqShard":
+        return SeqShard(dim)
+
+    def __str__(self):
+        return f"S({self.dim}:seq)"
+
+
+Placement = Replicate | Partial | Shard | SeqShard
 REPLICATE = Replicate()
 PARTIAL = Partial()
 

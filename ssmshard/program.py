@@ -89,6 +89,11 @@ class Program:
         # Shape-bucket cache: sibling programs captured for shapes outside ``ranges`` (see admits).
         self.siblings: list[Program] = []
         self.recapture = None  # callable(user_inputs) -> Program, set by capture() while it holds the model
+        # Filled by the sharding passes (passes/shard): rank, tp, group, output placements;
+        # the forward collectives as named sync points, and the same as report rows.
+        self.shard: dict | None = None
+        self.sync_points: list = []
+        self.collectives: list[dict] = []
 
     # ----------------------------------------------------------------- construction
     @classmethod

@@ -79,7 +79,7 @@ def test_invalid_plan_names_the_parameter_and_numbers_before_any_process_group()
 
 def test_op_without_a_rule_fails_in_the_pass_naming_op_and_source():
     from ssmshard.passes import run_pipeline
-    from ssmshard.passes.shard import ShardingError
+    from ssmshard.passes.shard import ShardingError, sharding_steps
 
     model = small_model("mamba")
     program = ssmshard.capture(model)
@@ -96,7 +96,7 @@ def test_op_without_a_rule_fails_in_the_pass_naming_op_and_source():
             break
     options = {"placements": placements, "rank": 0, "tp": 2, "group": "unused"}
     with pytest.raises(ShardingError, match=r"cumsum.*modeling_mamba.py"):
-        run_pipeline(program, [("shard", options)])
+        run_pipeline(program, sharding_steps(options))
 
 
 def test_plan_explain_lists_rules_and_placements():

@@ -15,7 +15,7 @@ names the pass that broke the graph.
 
 from .manager import (PassContext, PassVerificationError, get, register, registered, replay,
                       run_pipeline, unregister, verify)
-from . import collectives, shard, swap_kernels, tag  # noqa: F401  (register the built-in passes)
+from . import shard, swap_kernels, tag  # noqa: F401  (register the built-in passes)
 
 __all__ = ["PassContext", "PassVerificationError", "get", "register", "registered", "replay", "run_pipeline",
            "unregister", "verify"]

@@ -14,7 +14,7 @@ from ..packing import PackedBatch
 from ..comm import all_reduce, register_group
 from ..families import build_meta_model
 from ..passes import run_pipeline
-from ..passes.shard import ShardingError
+from ..passes.shard import ShardingError, sharding_steps
 from ..placement import Shard, local_slice, same_data
 from ..plan import Plan, PlanError
 from .checkpoint import SafetensorsCheckpoint, match_checkpoint, read_local_weights
@@ -305,7 +305,7 @@ def _local_part(tensor, placement, rank):
 
 def _passes(options, placements):
     """The pass pipeline of every program of a DistributedModule."""
-    pipeline = [("shard", {**options, "placements": placements}), "collectives"]
+    pipeline = sharding_steps({**options, "placements": placements})
     if options["kernels"] == "triton":
         pipeline.append(("swap_kernels", {"kernels": "triton"}))
     return pipeline

@@ -1,0 +1,140 @@
+"""What the three sharding passes share: the options of one rank, and the placement records.
+
+Records on the graph (they stay there after the pipeline, for later passes and reports):
+
+* ``node.meta["placement"]``: the placement of the value a node produces (a tuple for ops
+  with several outputs, ``None`` for non-tensors such as sizes).
+* ``node.meta["input_placements"]``: ``{input node name: placement}`` for every tensor input,
+  as the op needs it. Where it differs from the producer's placement, ``communicate`` inserts
+  the collective that converts one into the other.
+* ``node.meta["localize"]``: a function ``(LocalizeContext, node) -> None`` a rule left for
+  ``localize`` (local sizes, rank-dependent constants).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from ...placement import Partial, Placement, Replicate, Shard, SeqShard
+from ...program import source_line
+
+
+class ShardingError(RuntimeError):
+    """No rule can shard this op with these placements; names the op and the source line."""
+
+
+@dataclasses.dataclass
+class ShardOptions:
+    """One rank's sharding options (``ctx.options`` of the passes; see ``Plan.pipeline``)."""
+    placements: dict[str, Placement]  # weight FQN -> placement (``Plan.layout``)
+    rank: int
+    tp: int
+    group: str = "tp"  # name of the collective group (``collectives.register_group``)
+    training: bool = True  # insert the backward all-reduces
+    # Placements of user inputs by flat position (decode's state inputs arrive sharded).
+    input_placements: dict[int, Placement] = dataclasses.field(default_factory=dict)
+    policy: Any = None  # a ReducePolicy; None: Megatron's (policy.MegatronPolicy)
+
+    @classmethod
+    def of(cls, options: dict) -> "ShardOptions":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(options) - known - {"kernels"}
+        if unknown:
+            raise TypeError(f"unknown sharding options {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**{k: v for k, v in options.items() if k in known})
+
+
+def shape(node) -> tuple:
+    return tuple(node.meta["val"].shape)
+
+
+def hint(size) -> int:
+    """A concrete number for a (possibly symbolic) size: its example value."""
+    return size if isinstance(size, int) else size.node.hint
+
+
+def is_tensor(node) -> bool:
+    return isinstance(node, torch.fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def tensor_inputs(node) -> list:
+    return [a for a in node.all_input_nodes if is_tensor(a)]
+
+
+def placement_of(node):
+    """The placement recorded on ``node`` (a Node); Replicate where none was recorded."""
+    return node.meta.get("placement", Replicate()) if isinstance(node, torch.fx.Node) else Replicate()
+
+
+def fail(node, why: str):
+    shown = ", ".join(f"{a.name}={placement_of(a)}" for a in node.all_input_nodes)
+    raise ShardingError(f"no sharding rule for {node.target} at {node.name} ({why}); inputs: {shown}; "
+                        f"source: {source_line(node)}")
+
+
+def new_node(graph, target, args, like, *, kwargs=None, val=None):
+    """A call to ``target`` carrying ``like``'s tags, its fake value computed from its inputs'
+    (or ``val``; ``like``'s when the op cannot run on fake inputs, e.g. a collective whose
+    group is not registered yet)."""
+    node = graph.call_function(target, tuple(args), kwargs or {})
+    node.meta["ssmshard"] = dict(like.meta.get("ssmshard", {}))
+    if val is None:
+        val = _fake_value(node)
+    if val is not None:
+        node.meta["val"] = val
+    elif "val" in like.meta:
+        node.meta["val"] = like.meta["val"]
+    if "stack_trace" in like.meta:
+        node.meta["stack_trace"] = like.meta["stack_trace"]
+    return node
+
+
+def _fake_value(node):
+    def value(a):
+        return a.meta.get("val") if isinstance(a, torch.fx.Node) else a
+    args = torch.fx.node.map_arg(node.args, value)
+    kwargs = torch.fx.node.map_arg(node.kwargs, value)
+    try:
+        return node.target(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - the verifier re-propagates every value after the pass
+        return None
+
+
+def is_sharded(placement) -> bool:
+    return isinstance(placement, (Shard, SeqShard))
+
+
+def is_partial(placement) -> bool:
+    return isinstance(placement, Partial)
+
+
+# ------------------------------------------------------------------ local rewrites (localize)
+def leave_for_localize(node, edit) -> None:
+    """Record ``edit(lcx, node)`` for the ``localize`` pass (several edits run in order)."""
+    node.meta.setdefault("localize", []).append(edit)
+
+
+def local_size_edit(arg_index: int, dim: int, local: int):
+    """An edit setting entry ``dim`` of the size list at ``node.args[arg_index]`` to ``local``."""
+    def edit(lcx, node):
+        sizes = list(node.args[arg_index])
+        if isinstance(sizes[dim], int) and sizes[dim] != -1:
+            sizes[dim] = local
+            node.args = (*node.args[:arg_index], sizes, *node.args[arg_index + 1:])
+    return edit
+
+
+def bound_args(node) -> dict:
+    """``{argument name: value}`` of a call to an op overload, defaults filled in (by schema)."""
+    values = {}
+    for index, arg in enumerate(node.target._schema.arguments):
+        if index < len(node.args):
+            values[arg.name] = node.args[index]
+        elif arg.name in node.kwargs:
+            values[arg.name] = node.kwargs[arg.name]
+        else:
+            values[arg.name] = arg.default_value if arg.has_default_value() else None
+    return values
