@@ -13,6 +13,7 @@ the numbers when a split is impossible.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import fnmatch
 from typing import Callable
@@ -75,6 +76,13 @@ class Plan:
     """Tensor-parallel plan. ``tp``: ranks in the group; ``vocab_parallel``: split lm_head by vocab
     (logits are all-gathered) instead of replicating it; ``rules``: user overrides, applied after
     the family defaults (e.g. ``Rule("replicate", glob="*.layers.0.*")``).
+
+    ``sequence_parallel``: Megatron's sequence parallelism in forward (scoring and training)
+    programs: the residual stream between blocks holds 1/tp of the tokens per rank
+    (``passes.shard.SequenceParallelPolicy``); generation programs stay plain TP (one decode
+    token cannot be split, and their states are per channel anyway). ``policy``: a
+    ``passes.shard.ReducePolicy`` (class or instance) deciding where partial sums are reduced
+    and with which collectives, for every program (instead of the default or the SP policy).
     """
 
     tp: int = 1
@@ -83,12 +91,24 @@ class Plan:
     training: bool = True  # insert the backward all-reduces (identity in forward)
     # SSM kernels: "auto" (Triton on CUDA weights, the torch reference otherwise), "triton", "reference"
     kernels: str = "auto"
+    sequence_parallel: bool = False
+    policy: object = None
 
     def __post_init__(self):
         if not isinstance(self.tp, int) or self.tp < 1:
             raise PlanError(f"tp must be a positive integer, got {self.tp!r}")
         if self.kernels not in ("auto", "triton", "reference"):
             raise PlanError(f"kernels must be 'auto', 'triton' or 'reference', got {self.kernels!r}")
+
+    def policy_for(self, mode: str):
+        """A fresh reduce policy for a program of ``mode`` (policies keep per-program state)."""
+        from .passes.shard import MegatronPolicy, SequenceParallelPolicy
+
+        if self.policy is not None:
+            return self.policy() if isinstance(self.policy, type) else copy.copy(self.policy)
+        if self.sequence_parallel and mode == "forward":
+            return SequenceParallelPolicy()
+        return MegatronPolicy()
 
     def kernel_choice(self, device: torch.device) -> str:
         """"triton" or "reference" for weights on ``device``; Triton needs CUDA tensors."""

@@ -22,6 +22,8 @@ op                                     forward                                ba
 all_reduce(x, group)                   sum_k x_k                              identity (replicated out)
 tp_copy(x, group)                      x (replicated in)                      all_reduce (sharded out)
 reduce_scatter(x, dim, group)          rows of rank r of pad(sum_k x_k)       all_gather_partial_grad
+split(x, dim, group)                   rows of rank r of pad(x) (replicated   all_gather
+                                       in, no traffic)
 all_gather(x, dim, group, length)      cat_k x_k along dim, first length      rows of rank r (replicated)
 all_gather_partial_grad(same args)     same as all_gather                     reduce_scatter (sharded out)
 all_to_all(x, split_dim, concat_dim,   chunk r of every x_k (split_dim cut    all_to_all(concat_dim,
@@ -176,6 +178,32 @@ def _rows_of_this_rank(ctx, grad):
 all_gather.register_autograd(_rows_of_this_rank, setup_context=_gather_setup)
 all_gather_partial_grad.register_autograd(
     lambda ctx, grad: (reduce_scatter(grad, ctx.dim, ctx.group), None, None, None), setup_context=_gather_setup)
+
+
+# --------------------------------------------------------------------------- split
+@torch.library.custom_op("ssmshard::split", mutates_args=())
+def split(x: Tensor, dim: int, group: str) -> Tensor:
+    """This rank's ceil(L/N) rows of ``dim`` of a REPLICATED ``x`` (padded as reduce_scatter
+    pads), with no traffic: Megatron's split entering a sequence-parallel region. Backward:
+    all_gather of the gradient, trimmed to L (the replicated input's whole gradient)."""
+    dim, world = dim % x.dim(), world_of(group)
+    chunk = padded_chunk(x.shape[dim], world)
+    padded = _pad_dim(x, dim, world * chunk)
+    return padded.narrow(dim, rank_of(group) * chunk, chunk).contiguous()
+
+
+split.register_fake(lambda x, dim, group: _fake_resized(x, dim % x.dim(), padded_chunk(x.shape[dim % x.dim()],
+                                                                                         world_of(group))))
+
+
+def _split_setup(ctx, inputs, output):
+    x, dim, ctx.group = inputs
+    ctx.dim = dim % x.dim()
+    ctx.length = x.shape[ctx.dim]
+
+
+split.register_autograd(lambda ctx, grad: (all_gather(grad, ctx.dim, ctx.group, ctx.length), None, None),
+                        setup_context=_split_setup)
 
 
 # --------------------------------------------------------------------------- all_to_all

@@ -279,10 +279,10 @@ def parallelize(model, plan: Plan, *, group=None, device_mesh=None, checkpoint=N
     weights_device = device if source is not None else next(model.parameters()).device
     options = {"rank": rank, "tp": plan.tp, "group": name, "training": plan.training,
                "kernels": plan.kernel_choice(torch.device(weights_device))}
-    program = run_pipeline(program, _passes(options, placements))
+    program = run_pipeline(program, _passes(plan, options, placements, program.mode))
     if packed_program is not None:
         # The same placements: both programs read one set of local weights.
-        packed_program = run_pipeline(packed_program, _passes(options, placements))
+        packed_program = run_pipeline(packed_program, _passes(plan, options, placements, packed_program.mode))
     module = functools.partial(DistributedModule, plan=plan, rank=rank, model=model, shard_options=options,
                                packed_program=packed_program)
     if source is not None:
@@ -303,16 +303,16 @@ def _local_part(tensor, placement, rank):
     return local_slice(tensor, placement, rank) if isinstance(placement, Shard) else tensor
 
 
-def _passes(options, placements):
+def _passes(plan, options, placements, mode):
     """The pass pipeline of every program of a DistributedModule."""
-    pipeline = sharding_steps({**options, "placements": placements})
+    pipeline = sharding_steps({**options, "placements": placements, "policy": plan.policy_for(mode)})
     if options["kernels"] == "triton":
         pipeline.append(("swap_kernels", {"kernels": "triton"}))
     return pipeline
 
 
 def _sharded(program, model, plan, options):
-    return run_pipeline(program, _passes(options, plan.layout(program, model)))
+    return run_pipeline(program, _passes(plan, options, plan.layout(program, model), program.mode))
 
 
 def _group_of(program):

@@ -29,7 +29,8 @@ import dataclasses
 
 import torch
 
-from ...placement import REPLICATE, Partial, Replicate, Shard
+from ...placement import REPLICATE, Partial, Replicate, SeqShard, Shard
+from ...comm import declare_group_size
 from ..manager import register
 from .context import ShardOptions, fail, new_node, placement_of, tensor_inputs
 from .policy import MegatronPolicy
@@ -75,12 +76,16 @@ class Collectives:
         self.training = options.training
         self.sync_points: list[SyncPoint] = []
         self._names: dict[str, int] = {}
+        self._kinds = {i.name: i.kind for i in program.inputs}
+        self._length = None
 
     # ------------------------------------------------------------- primitives
-    def call(self, op, value, *extra, placement, like=None):
-        """``op(value, *extra, group)`` inserted right after ``value``, placed ``placement``."""
+    def call(self, op, value, *extra, placement, consumer=None):
+        """``op(value, *extra, group)`` inserted right after ``value``, placed ``placement``; tagged
+        like ``value``, or like ``consumer`` where ``value`` is a placeholder (no tags)."""
+        like = value if "ssmshard" in value.meta or consumer is None else consumer
         with self.graph.inserting_after(value):
-            node = new_node(self.graph, op, (value, *extra, self.group), like or value)
+            node = new_node(self.graph, op, (value, *extra, self.group), like)
         node.meta["placement"] = placement
         node.meta["input_placements"] = {value.name: placement_of(value)}
         return node
@@ -88,12 +93,45 @@ class Collectives:
     def all_reduce(self, value):
         return self._sync(self.call(ssm.all_reduce.default, value, placement=REPLICATE), "all_reduce", value)
 
-    def tp_copy(self, value):
-        return self.call(ssm.tp_copy.default, value, placement=PARTIAL_GRAD_REPLICATE)
+    def tp_copy(self, value, consumer=None):
+        return self.call(ssm.tp_copy.default, value, placement=PARTIAL_GRAD_REPLICATE, consumer=consumer)
 
     def all_gather(self, value, dim, *, name_like=None):
         node = self.call(ssm.all_gather.default, value, dim, placement=REPLICATE)
         return self._sync(node, "all_gather", name_like or value)
+
+    def reduce_scatter(self, value, dim):
+        return self._sync(self.call(ssm.reduce_scatter.default, value, dim, placement=SeqShard(dim)),
+                          "reduce_scatter", value)
+
+    def gather(self, value, dim, consumer, *, partial_grad: bool, length=None):
+        """All-gather a value cut by ``reduce_scatter``/``split`` back to ``length`` rows along
+        ``dim`` (the padding dropped; default: the sequence length). ``partial_grad``: the result
+        feeds sharded computation (backward reduce-scatters)."""
+        op = ssm.all_gather_partial_grad.default if partial_grad else ssm.all_gather.default
+        length = self.sequence_length() if length is None else length
+        with self.graph.inserting_after(value):
+            node = new_node(self.graph, op, (value, dim, self.group, length),
+                            value if "ssmshard" in value.meta else consumer)
+        node.meta["placement"] = PARTIAL_GRAD_REPLICATE if partial_grad else REPLICATE
+        node.meta["input_placements"] = {value.name: placement_of(value)}
+        return self._sync(node, "all_gather", consumer)
+
+    def split(self, value, dim, consumer=None):
+        """This rank's tokens of a replicated value (no traffic)."""
+        return self.call(ssm.split.default, value, dim, placement=SeqShard(dim), consumer=consumer)
+
+    def sequence_length(self):
+        """A node holding the unsharded sequence length (dim 1 of the first user input)."""
+        if self._length is None:
+            placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
+            ids = next(n for n in placeholders if self._kinds[n.name] == "user")
+            with self.graph.inserting_after(placeholders[-1]):
+                self._length = self.graph.call_function(torch.ops.aten.sym_size.int, (ids, 1))
+            self._length.meta.update(val=ids.meta["val"].shape[1], placement=None,
+                                     ssmshard={"module": "", "call_site": "", "layer": None, "block": "glue",
+                                               "role": "body"})
+        return self._length
 
     # ------------------------------------------------------------- the table
     def standard(self, value, have, want, consumer):
@@ -101,7 +139,13 @@ class Collectives:
             reduced = self.all_reduce(value)
             return self.tp_copy(reduced) if want.partial_grad else reduced
         if isinstance(have, Replicate) and want == PARTIAL_GRAD_REPLICATE:
-            return self.tp_copy(value)
+            return self.tp_copy(value, consumer)
+        if isinstance(have, Partial) and isinstance(want, SeqShard):
+            return self.reduce_scatter(value, want.dim)
+        if isinstance(have, SeqShard) and isinstance(want, Replicate):
+            return self.gather(value, have.dim, consumer, partial_grad=want.partial_grad)
+        if isinstance(have, Replicate) and isinstance(want, SeqShard):
+            return self.split(value, want.dim, consumer)
         if isinstance(have, Shard) and isinstance(want, Replicate) and not want.partial_grad:
             seg = have.segments
             if len(seg) != 1 or seg[0].stride != 1 or seg[0].pieces != self.tp:
@@ -140,6 +184,7 @@ def _same_placement(have, want) -> bool:
 def communicate(program, ctx):
     """Insert the collectives ``propagate`` recorded as needed (see the module docstring)."""
     options = ShardOptions.of(ctx.options)
+    declare_group_size(options.group, options.tp)  # fake shapes of collectives before the group exists
     policy = options.policy or MegatronPolicy()
     comm = Collectives(program, options)
     converted: dict = {}  # (producer, placement) -> node holding the producer in that placement

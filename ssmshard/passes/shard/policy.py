@@ -61,9 +61,9 @@ class SequenceParallelPolicy(ReducePolicy):
         users = [n for n in program.graph.nodes if n.op == "placeholder"
                  and next(i for i in program.inputs if i.name == n.name).kind == "user"]
         ids = users[0].meta["val"]
-        if program.mode != "forward" or ids.dim() != 2:
-            raise ValueError(f"sequence parallelism applies to forward programs over (batch, sequence) ids, "
-                             f"not a {program.mode} program")
+        if program.mode != "forward" or ids.dim() < 2:
+            raise ValueError(f"sequence parallelism applies to forward programs over (batch, sequence, ...) "
+                             f"inputs, not a {program.mode} program of {tuple(ids.shape)}")
         self.seq = ids.shape[1]
 
     def _carries_sequence(self, node) -> bool:

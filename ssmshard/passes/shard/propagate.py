@@ -24,7 +24,7 @@ import operator
 
 import torch
 
-from ...placement import REPLICATE, Partial, Replicate
+from ...placement import REPLICATE, Partial, Replicate, SeqShard
 
 PARTIAL_GRAD_REPLICATE = Replicate(partial_grad=True)
 from ..manager import register
@@ -121,13 +121,18 @@ class PropagateContext:
     def _sum_gradients_of_replicated_inputs(self, node, out) -> None:
         """Megatron's "f": a replicated activation read by an op whose output is split or
         partial gets a partial gradient on each rank; it is wanted as R~ (``communicate``
-        puts a ``tp_copy`` there: identity forward, all-reduce backward)."""
+        puts a ``tp_copy`` there: identity forward, all-reduce backward). So does a replicated
+        weight read by an op over this rank's tokens only (sequence parallelism's norms): its
+        gradient sums over the tokens of every rank."""
         outs = out if isinstance(out, tuple) else (out,)
         if all(o == REPLICATE for o in outs):
             return
+        over_own_tokens = any(isinstance(o, SeqShard) for o in outs)
         for arg in tensor_inputs(node):
             placement = self.placement(arg)
-            if placement == REPLICATE and arg.meta["val"].is_floating_point() and not self._is_weight(arg):
+            if placement != REPLICATE or not arg.meta["val"].is_floating_point():
+                continue
+            if not self._is_weight(arg) or (over_own_tokens and arg.meta["val"].requires_grad):
                 self.want(node, arg, PARTIAL_GRAD_REPLICATE)
 
     def _is_weight(self, node) -> bool:

@@ -8,6 +8,7 @@ when ranks' data would interleave.
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
@@ -51,11 +52,14 @@ def squeeze(cx, node):
     return p.with_dim(p.dim - sum(1 for d in dims if d < p.dim))
 
 
-def _is_full_slice(node, size) -> bool:
+def _is_full_slice(node, size=None) -> bool:
+    """``x[..., 0:end]`` with ``end`` past the dim's ``size`` (``None``: a size only known at run
+    time, so only an open end, ``None`` or ``sys.maxsize``, counts)."""
     start = node.args[2] if len(node.args) > 2 else None
     end = node.args[3] if len(node.args) > 3 else None
     step = node.args[4] if len(node.args) > 4 else 1
-    ends_at_size = end is None or (isinstance(end, int) and end >= size)
+    open_end = end is None or (isinstance(end, int) and end >= sys.maxsize)
+    ends_at_size = open_end or (size is not None and isinstance(end, int) and end >= size)
     return start in (0, None) and ends_at_size and step == 1
 
 
@@ -66,7 +70,7 @@ def slice_select(cx, node):
         return p  # linear: a partial sum stays one (when the policy keeps it)
     d = node.args[1] % len(shape(node.args[0]))
     if d == p.dim:
-        if node.target is aten.slice.Tensor and isinstance(p, SeqShard) and _is_full_slice(node, math.inf):
+        if node.target is aten.slice.Tensor and isinstance(p, SeqShard) and _is_full_slice(node):
             return p
         if node.target is aten.slice.Tensor and isinstance(p, Shard) and _is_full_slice(node, p.global_size):
             if len(node.args) >= 4 and node.args[3] is not None:
