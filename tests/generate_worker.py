@@ -9,9 +9,11 @@ import ssmshard
 from ssmshard.capture import flatten_states
 from ssmshard.hf_compat import cache_kwarg
 from ssmshard.placement import Shard
+from ssmshard.runtime.generate import generate
 from ssmshard.testing import rel_err
 
 from conftest import small_model
+from generate_hf_arguments import argument_results, early_eos, error_of, gathered, hf_reference, seeded
 
 PAD = 0
 
@@ -34,28 +36,41 @@ def _same_on_every_rank(tensor):
     return all(torch.equal(g, tensor) for g in gathered)
 
 
-def generate_results(rank, world, families, seed, out_path, sampling_families=("mamba2", "zamba2"),
-                     chunked_families=("mamba", "zamba", "zamba2")):
+def generate_results(rank, world, families, seed, out_path, argument_families=(),
+                     sampling_families=("mamba2", "zamba2"), chunked_families=("mamba", "zamba", "zamba2")):
     results = []
     for family in families:
         model = small_model(family)
-        eos = model.generation_config.eos_token_id
         ids, mask = left_padded_prompts(model.config.vocab_size, (5, 12, 9), seed)
         dm = ssmshard.parallelize(model, ssmshard.Plan(tp=world))
-        ours = dm.generate(ids, mask, max_new_tokens=20, eos_token_id=eos, pad_token_id=PAD)
-        with torch.no_grad():
-            hf = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
-                                eos_token_id=eos, pad_token_id=PAD)
+        # The model's own generation config (its EOS and pad ids) on both sides.
+        ours = dm.generate(ids, mask, max_new_tokens=20)
+        hf = hf_reference(lambda: model.generate(ids, attention_mask=mask, max_new_tokens=20))
         result = {"family": family, "tp": world, "greedy_equal_hf": torch.equal(ours, hf), "ours": ours.tolist(),
                   "hf": hf.tolist(), "greedy_same_on_all_ranks": _same_on_every_rank(ours)}
-        if eos != PAD:
+        with early_eos(model, hf.tolist(), ids.shape[1]) as eos:
+            # EOS ids the model emits within 4 steps, set in its generation_config: rows stop and
+            # are padded as in HF, and generation ends before max_new_tokens.
+            early = dm.generate(ids, mask, max_new_tokens=12)
+            hf_early = hf_reference(lambda: model.generate(ids, attention_mask=mask, max_new_tokens=12))
+            result.update(early_eos=eos, early_equal_hf=torch.equal(early, hf_early), early=early.tolist(),
+                          hf_early=hf_early.tolist(), early_same_on_all_ranks=_same_on_every_rank(early))
+        if model.generation_config.eos_token_id != PAD:
             # No mask passed: HF takes the PAD ids for padding (PAD is not EOS here), so must we.
-            unmasked = dm.generate(ids, max_new_tokens=6, eos_token_id=eos, pad_token_id=PAD)
-            with torch.no_grad():
-                hf_unmasked = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=eos,
-                                             pad_token_id=PAD)
+            unmasked = dm.generate(ids, max_new_tokens=6, pad_token_id=PAD)
+            hf_unmasked = hf_reference(lambda: model.generate(ids, max_new_tokens=6, pad_token_id=PAD))
             result["unmasked_equal_hf"] = torch.equal(unmasked, hf_unmasked)
             result["unmasked"], result["hf_unmasked"] = unmasked.tolist(), hf_unmasked.tolist()
+        if family in argument_families:
+            result["arguments"] = gathered(argument_results(dm, model, ids, mask, hf.tolist(), seed))
+            if world == 1:
+                # The captured programs without their model: the defaults of a model built from
+                # their config (this model's, unmodified).
+                programs_only = generate(*dm.generation_programs(), ids, mask, max_new_tokens=8)
+                result["programs_only_equal_hf"] = torch.equal(
+                    programs_only, hf_reference(lambda: model.generate(ids, attention_mask=mask, max_new_tokens=8)))
+            result["hf_error_unknown"] = hf_reference(lambda: error_of(
+                lambda: model.generate(ids, attention_mask=mask, max_new_tokens=3, not_an_argument=1)))
         # States after prefill: each rank's share of the global state tensors.
         local_prefill, _ = dm.generation_programs()
         _, local_states = dm.prefill(ids, mask)
@@ -78,19 +93,15 @@ def generate_results(rank, world, families, seed, out_path, sampling_families=("
             result["chunked_state_errs"] = [
                 rel_err(a[real.expand_as(a)], b[real.expand_as(b)]) if kind in ("key", "value") else rel_err(a, b)
                 for a, b, kind in zip(states, whole_states, kinds)]
-            chunked = dm.generate(ids, mask, max_new_tokens=20, eos_token_id=eos, pad_token_id=PAD,
-                                  prefill_chunk_size=4)
+            chunked = dm.generate(ids, mask, max_new_tokens=20, prefill_chunk_size=4)
             result["chunked_generate_equal"] = torch.equal(chunked, ours)
         if family in sampling_families:
             # Sampling with a seed: the same tokens on every rank, and HF's own sampled tokens
             # (one multinomial draw per step from the same stream, after the same warpers).
-            options = dict(max_new_tokens=12, do_sample=True, temperature=0.8, top_k=40, top_p=0.9,
-                           eos_token_id=eos, pad_token_id=PAD)
+            options = dict(max_new_tokens=12, do_sample=True, temperature=0.8, top_k=40, top_p=0.9)
             torch.manual_seed(seed)
             sampled = dm.generate(ids, mask, **options)
-            torch.manual_seed(seed)
-            with torch.no_grad():
-                hf_sampled = model.generate(ids, attention_mask=mask, **options)
+            hf_sampled = hf_reference(lambda: seeded(seed, lambda: model.generate(ids, attention_mask=mask, **options)))
             result.update(sampled_same_on_all_ranks=_same_on_every_rank(sampled),
                           sampled_equal_hf=torch.equal(sampled, hf_sampled),
                           sampled=sampled.tolist(), hf_sampled=hf_sampled.tolist())

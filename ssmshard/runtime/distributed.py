@@ -184,24 +184,36 @@ class DistributedModule(torch.nn.Module):
             return prefill(prefill_program, self._chunk_program_for(input_ids, chunk_size), input_ids, mask,
                            positions, chunk_size)
 
-    def generate(self, input_ids, attention_mask=None, *, prefill_chunk_size=None, cuda_graph="auto", **options):
-        """Hugging Face ``generate`` semantics on this rank (every rank returns the same ids):
-        see :func:`ssmshard.runtime.generate.generate` for the options.
+    def generate(self, input_ids, attention_mask=None, *, cuda_graph="auto", generator=None, **arguments):
+        """``model.generate(input_ids, attention_mask=attention_mask, **arguments)`` on this rank:
+        every rank returns the same ids (or HF's output object with ``return_dict_in_generate``).
 
-        ``prefill_chunk_size``: prefill longer prompts chunk by chunk, bounding activation
-        memory by the chunk. ``cuda_graph``: replay the decode step as a CUDA graph over static
-        per-rank state buffers (``ssmshard.runtime.cuda_graph``); ``"auto"`` does where the
-        weights are on CUDA and the model's states have fixed shapes (SSM-only models), and
-        warns once where they do not; ``True`` raises instead.
+        The defaults are the model's own ``generation_config`` (eos, pad, max_length, sampling
+        settings), overridden by ``generation_config=`` and then by keyword arguments, as in HF;
+        ``stopping_criteria`` and ``streamer`` are used on rank 0, which decides each step (see
+        :mod:`ssmshard.runtime.generate`). What HF does that ssmshard does not (beam search,
+        assisted decoding, attentions or hidden states in the output, ...) raises ``ValueError``
+        naming the argument, on every rank, before any collective. Pass the same arguments on
+        every rank.
+
+        ``prefill_chunk_size`` (HF's setting too): prefill longer prompts chunk by chunk,
+        bounding activation memory by the chunk. ``cuda_graph``: replay the decode step as a
+        CUDA graph over static per-rank state buffers (``ssmshard.runtime.cuda_graph``);
+        ``"auto"`` does where the weights are on CUDA and the model's states have fixed shapes
+        (SSM-only models), and warns once where they do not; ``True`` raises instead.
+        ``generator``: the random stream sampling draws from on rank 0 (default: torch's global one).
         """
-        from .generate import generate
+        from .generate import run_generation
+        from .generation_config import prepare_generation
 
         self._check_ids(input_ids)  # before the programs are captured on first use
+        if self._model is None:
+            raise RuntimeError("this DistributedModule was built without its model; generation needs it")
+        setup = prepare_generation(self._model, input_ids, attention_mask, **arguments)
         prefill, decode = self.generation_programs()
-        step = self._graphed_decode(decode, input_ids.shape[0], cuda_graph) or decode
-        return generate(prefill, step, input_ids, attention_mask, group=_group_of(self.program),
-                        chunk_program=self._chunk_program_for(input_ids, prefill_chunk_size),
-                        prefill_chunk_size=prefill_chunk_size, **options)
+        step = self._graphed_decode(decode, setup.input_ids.shape[0], cuda_graph) or decode
+        return run_generation(prefill, step, setup, group=_group_of(self.program), generator=generator,
+                              chunk_program=self._chunk_program_for(setup.input_ids, setup.prefill_chunk_size))
 
     def _check_ids(self, input_ids):
         from ..inputs import check_input_ids
@@ -329,7 +341,10 @@ def parallelize_from_pretrained(path, plan: Plan, *, dtype=None, **kwargs) -> Di
     torch's default), chosen as ``from_pretrained(dtype=...)`` does (rotary ``inv_freq`` stays
     float32); the checkpoint's tensors are converted to it as they are read.
     """
+    from .generation_config import load_generation_defaults
+
     model = build_meta_model(str(path), dtype=dtype)
+    load_generation_defaults(model, path)  # generate's defaults, as from_pretrained loads them
     return parallelize(model, plan, checkpoint=path, **kwargs)
 
 

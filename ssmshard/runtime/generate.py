@@ -1,48 +1,28 @@
 """Token generation over captured prefill/decode programs, with Hugging Face ``generate`` semantics.
 
-The loop is HF's greedy/sampling loop: left-padded prompts with an attention mask, position
-ids counted over real tokens only, finished rows padded with ``pad_token_id``. Logits
-processing follows HF's warpers (temperature, then top-k, then top-p). In a tensor-parallel
-group, rank 0 picks each token and broadcasts it, so every rank feeds the same ids to the next
-step whatever the rounding of its logits.
+The loop is HF's greedy/sampling loop around sharded programs: left-padded prompts with an
+attention mask, positions counted over real tokens only, each step's logits run through HF's own
+logits processors, finished rows padded with the pad id, HF's stopping criteria and streamer,
+and HF's output object on request. What ``model.generate`` would run (the model's
+``generation_config`` overridden by the call's arguments) is resolved by
+:func:`~ssmshard.runtime.generation_config.prepare_generation` before any collective.
+
+In a tensor-parallel group rank 0 decides each step alone: it processes the logits, picks the
+tokens, evaluates the stopping criteria and streams; then it broadcasts the tokens together with
+the rows still running (and whether it failed) in the one broadcast each step needs anyway.
+Every rank feeds the same ids to the next step whatever the rounding of its logits, and all
+stop at the same step, even under criteria that read the clock (``max_time``) or are the
+user's own. If rank 0 fails deciding, the others learn it from that broadcast and raise too.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-
-def next_token_scores(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
-                      top_p: Optional[float] = None) -> torch.Tensor:
-    """HF's sampling warpers on fp32 scores (b, v): tokens filtered out get -inf."""
-    scores = logits.float()
-    if temperature != 1.0:
-        scores = scores / temperature
-    if top_k is not None and top_k > 0:
-        k = min(top_k, scores.shape[-1])
-        kth = torch.topk(scores, k).values[..., -1, None]
-        scores = scores.masked_fill(scores < kth, -float("inf"))
-    if top_p is not None and top_p < 1.0:
-        ascending, order = torch.sort(scores, descending=False)
-        cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
-        drop = cumulative <= (1 - top_p)
-        drop[..., -1:] = False  # always keep the most likely token
-        scores = scores.masked_fill(drop.scatter(1, order, drop), -float("inf"))
-    return scores
-
-
-def _check_options(max_new_tokens, temperature, top_k, top_p):
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature} (use do_sample=False for greedy)")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if top_k is not None and top_k < 0:
-        raise ValueError(f"top_k must be >= 0, got {top_k}")
+from .generation_config import ConfigDefaults, GenerationSetup, prepare_generation
 
 
 def chunk_bounds(length: int, chunk_size: int) -> list[tuple[int, int]]:
@@ -93,68 +73,119 @@ def prompt_inputs(input_ids, attention_mask):
     return attention_mask, position_ids
 
 
-def inferred_attention_mask(input_ids, pad_token_id, eos):
-    """HF ``generate``'s mask when none is passed: ids equal to ``pad_token_id`` are padding,
-    unless the pad id is also an EOS id (then nothing can be told apart and the mask is all ones).
-    Without this, a prompt that contains the pad id would be read whole here and with that token
-    masked out by HF, and the generated ids would differ."""
-    if pad_token_id is None or pad_token_id in eos or not bool((input_ids == pad_token_id).any()):
-        return None
-    return input_ids.ne(pad_token_id).long()
+@torch.no_grad()
+def generate(prefill_program, decode, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, *,
+             model=None, group=None, chunk_program=None, generator: Optional[torch.Generator] = None, **arguments):
+    """``model.generate(input_ids, attention_mask=attention_mask, **arguments)`` over captured
+    programs: the prompt ids (b, l) followed by the generated ids, (b, l + n), or HF's
+    ``GenerateDecoderOnlyOutput`` with ``return_dict_in_generate=True``.
+
+    ``arguments`` are HF's (``generation_config``, ``max_new_tokens``, ``do_sample``,
+    ``stopping_criteria``, ``streamer``, ...; see :func:`prepare_generation`); the defaults come from
+    ``model.generation_config``, or without ``model`` from those of a model built from the
+    programs' config. ``prefill_chunk_size``: prefill prompts longer than this chunk by chunk
+    through ``chunk_program`` (see :func:`prefill`). Sampling draws from ``generator`` (default:
+    torch's global generator) on rank 0 only.
+    """
+    setup = prepare_generation(model if model is not None else ConfigDefaults(prefill_program.config), input_ids,
+                               attention_mask, **arguments)
+    return run_generation(prefill_program, decode, setup, group=group, chunk_program=chunk_program,
+                          generator=generator)
 
 
 @torch.no_grad()
-def generate(prefill_program, decode, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, *,
-             max_new_tokens: int = 20, do_sample: bool = False, temperature: float = 1.0,
-             top_k: Optional[int] = None, top_p: Optional[float] = None,
-             eos_token_id: Union[int, Sequence[int], None] = None, pad_token_id: Optional[int] = None,
-             generator: Optional[torch.Generator] = None, group=None, chunk_program=None,
-             prefill_chunk_size: Optional[int] = None) -> torch.Tensor:
-    """Prompt ids (b, l), left-padded where ``attention_mask`` (b, l) is 0, followed by up to
-    ``max_new_tokens`` generated ids: (b, l + n), like ``model.generate``.
+def run_generation(prefill_program, decode, setup: GenerationSetup, *, group=None, chunk_program=None,
+                   generator: Optional[torch.Generator] = None):
+    """HF's sampling/greedy loop over ``setup`` (see the module docstring for who decides what)."""
+    from transformers.generation import GenerateDecoderOnlyOutput
 
-    With no ``attention_mask``, ids equal to ``pad_token_id`` are taken for padding, as HF does
-    (not when the pad id is also an EOS id). Sampling draws from ``generator`` (default: torch's
-    global generator) on rank 0 only.
-    ``prefill_chunk_size``: prefill prompts longer than this chunk by chunk through
-    ``chunk_program`` (see :func:`prefill`).
-    """
-    _check_options(max_new_tokens, temperature, top_k, top_p)
-    eos = [] if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
-    if attention_mask is None:
-        attention_mask = inferred_attention_mask(input_ids, pad_token_id, eos)
-    attention_mask, position_ids = prompt_inputs(input_ids, attention_mask)
-    if eos and pad_token_id is None:
-        pad_token_id = eos[0]  # what HF does when the model defines no pad token
-    eos_ids = torch.tensor(eos, dtype=input_ids.dtype, device=input_ids.device)
-    distributed = group is not None and dist.is_initialized() and dist.get_world_size(group) > 1
-    source = dist.get_global_rank(group, 0) if distributed else 0
-    picks_tokens = not distributed or dist.get_rank(group) == 0
+    channel = TokenChannel(group, setup.input_ids)
+    input_ids = setup.input_ids
+    attention_mask, position_ids = prompt_inputs(input_ids, setup.attention_mask)
+    keep_scores = setup.returns_dict and setup.config.output_scores
+    keep_logits = setup.returns_dict and setup.config.output_logits
+    scores = () if keep_scores else None
+    raw_logits = () if keep_logits else None
+    streamer = setup.streamer if channel.decides else None  # one stream, from rank 0
 
     logits, states = prefill(prefill_program, chunk_program, input_ids, attention_mask, position_ids,
-                             prefill_chunk_size)
-    unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-    for step in range(max_new_tokens):
-        token = torch.empty(input_ids.shape[0], dtype=input_ids.dtype, device=input_ids.device)
-        if picks_tokens:
-            scores = logits[:, -1].float()
-            if do_sample:
-                probs = next_token_scores(scores, temperature, top_k, top_p).softmax(dim=-1)
-                token.copy_(torch.multinomial(probs, 1, generator=generator).squeeze(1))
-            else:
-                token.copy_(scores.argmax(dim=-1))
-        if distributed:
-            dist.broadcast(token, src=source, group=group)
-        if eos:
-            token = torch.where(unfinished, token, torch.full_like(token, pad_token_id))
-        input_ids = torch.cat([input_ids, token[:, None]], dim=-1)
-        if eos:
-            unfinished &= ~torch.isin(token, eos_ids)
-            if not unfinished.any():
-                break
-        if step == max_new_tokens - 1:
+                             setup.prefill_chunk_size)
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+    unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+    while True:
+        # A copy in fp32, as HF takes it: a graphed decode step reuses its logits buffer.
+        next_logits = logits[:, -1].to(copy=True, dtype=torch.float32)
+        if channel.decides:
+            try:
+                next_scores = setup.processors(input_ids, next_logits)
+                scores = scores + (next_scores,) if keep_scores else scores
+                tokens, unfinished = _decide(setup, input_ids, next_scores, scores, unfinished, generator, streamer)
+            except BaseException:
+                channel.send_failure()  # the other ranks raise too instead of waiting for tokens
+                raise
+            channel.send(tokens, unfinished)
+        else:
+            tokens, unfinished = channel.receive()
+            if keep_scores:  # this rank's own processed logits (rank 0's up to the rounding of the reductions)
+                scores += (setup.processors(input_ids, next_logits),)
+        if keep_logits:
+            raw_logits += (next_logits,)
+        input_ids = torch.cat([input_ids, tokens[:, None].to(input_ids.dtype)], dim=-1)
+        if not bool(unfinished.any()):  # the same broadcast values on every rank: all stop here
             break
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.shape[0], 1)], dim=-1)
         position_ids = position_ids[:, -1:] + 1
-        logits, states = decode(token[:, None], states, attention_mask=attention_mask, position_ids=position_ids)
+        logits, states = decode(tokens[:, None].to(input_ids.dtype), states, attention_mask=attention_mask,
+                                position_ids=position_ids)
+    if streamer is not None:
+        streamer.end()
+    if setup.returns_dict:
+        return GenerateDecoderOnlyOutput(sequences=input_ids, scores=scores, logits=raw_logits)
     return input_ids
+
+
+def _decide(setup: GenerationSetup, input_ids, next_scores, scores, unfinished, generator, streamer):
+    """Rank 0's step, as HF's: the next tokens (b,) and the rows still running (b,) after them."""
+    if setup.config.do_sample:
+        tokens = torch.multinomial(next_scores.softmax(dim=-1), 1, generator=generator).squeeze(1)
+    else:
+        tokens = next_scores.argmax(dim=-1)
+    if setup.pads_finished_rows:
+        tokens = tokens * unfinished + setup.pad_token_id * (1 - unfinished)
+    unfinished = unfinished & ~setup.criteria(torch.cat([input_ids, tokens[:, None]], dim=-1), scores)
+    if streamer is not None:
+        streamer.put(tokens.cpu())
+    return tokens, unfinished
+
+
+class TokenChannel:
+    """Rank 0's decision each step, sent to every rank of ``group`` in one broadcast of 2b + 1
+    int64 values: the next tokens (b), the rows still running (b), and whether rank 0 failed."""
+
+    def __init__(self, group, input_ids: torch.Tensor):
+        self.distributed = group is not None and dist.is_initialized() and dist.get_world_size(group) > 1
+        self.group = group
+        self.source = dist.get_global_rank(group, 0) if self.distributed else 0
+        self.decides = not self.distributed or dist.get_rank(group) == 0
+        self.batch = input_ids.shape[0]
+        self.device = input_ids.device
+
+    def send(self, tokens: torch.Tensor, unfinished: torch.Tensor) -> None:
+        if self.distributed:
+            ok = torch.zeros(1, dtype=torch.long, device=self.device)
+            dist.broadcast(torch.cat([tokens.long(), unfinished.long(), ok]), src=self.source, group=self.group)
+
+    def send_failure(self) -> None:
+        if self.distributed:
+            failed = torch.zeros(2 * self.batch + 1, dtype=torch.long, device=self.device)
+            failed[-1] = 1
+            dist.broadcast(failed, src=self.source, group=self.group)
+
+    def receive(self) -> tuple[torch.Tensor, torch.Tensor]:
+        message = torch.empty(2 * self.batch + 1, dtype=torch.long, device=self.device)
+        dist.broadcast(message, src=self.source, group=self.group)
+        if bool(message[-1]):
+            raise RuntimeError("generate: rank 0 failed choosing the next tokens (its own error says why); "
+                               "this rank stops too")
+        return message[:self.batch], message[self.batch:2 * self.batch]
