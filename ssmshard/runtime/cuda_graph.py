@@ -91,7 +91,9 @@ class GraphedDecode:
         bound = {id(w) for w in weights.values()}
         return all(id(w) in bound for w in self.weights)
 
-    def __call__(self, token, states, *, attention_mask, position_ids):
+    def __call__(self, token, states, *, attention_mask, position_ids, check_inputs=False):
+        # ``check_inputs``: the tokens come from the generation loop, always in range (and a check
+        # would sync the host each step); accepted for the eager step's interface.
         if self.graph is None:
             self._capture(token, states, attention_mask, position_ids)
         if token.shape != self.token.shape:
