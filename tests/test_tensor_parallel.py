@@ -23,6 +23,9 @@ FORWARD_CASES = [
     ("llama", {"num_key_value_heads": 1}, {"vocab_parallel": False}),
     ("zamba", {}, {}),  # 2 Mamba heads, each split by channel; shared attention at two call sites
     ("zamba2", {}, {}),  # shared attention block at two call sites, with adapters
+    # A reduce policy supplied by the test: reduce_scatter + all_gather instead of all_reduce.
+    ("mamba2", {"n_groups": 1}, {"policy": "reduce_scatter_then_gather"}),
+    ("zamba2", {}, {"policy": "reduce_scatter_then_gather"}),
 ]
 
 
@@ -34,8 +37,12 @@ def test_logits_match_hf_eager(tp, tmp_path, fresh_seed):
     assert len(results) == len(FORWARD_CASES)
     for r in results:
         assert r["err"] < TOL, f"tp={tp} {r} (seed {fresh_seed})"
+        # Every op carries a placement, and every edge and collective agrees with them.
+        assert not r["unplaced"] and not r["placement_problems"], r
         if tp > 1:
             assert r["collectives"] > 0
+            if "reduce_scatter_then_gather" in r["plan"]:
+                assert "all_reduce" not in r["collective_kinds"], r
 
 
 @pytest.mark.parametrize("tp, cases", [

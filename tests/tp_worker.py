@@ -9,16 +9,32 @@ import json
 import torch
 
 import ssmshard
-from ssmshard.placement import Shard, local_slice
+from ssmshard.passes.shard import ReducePolicy, check_placements
+from ssmshard.placement import Partial, Replicate, Shard, local_slice
 from ssmshard.testing import rel_err
 
 from conftest import small_model
+
+
+class ReduceScatterThenGather(ReducePolicy):
+    """A test-supplied reduce policy: every partial sum reduced by reduce_scatter along its last
+    dim followed by all_gather (padded when the dim does not divide), not all_reduce."""
+
+    def lower(self, comm, value, have, want, consumer):
+        if isinstance(have, Partial) and isinstance(want, Replicate):
+            last = value.meta["val"].dim() - 1
+            scattered = comm.reduce_scatter(value, last)
+            return comm.gather(scattered, last, consumer, partial_grad=want.partial_grad,
+                               length=value.meta["val"].shape[last])
+        return comm.standard(value, have, want, consumer)
 
 
 def forward_errors(rank, world, cases, seed, out_path):
     results = []
     for family, overrides, plan_kwargs in cases:
         model = small_model(family, **overrides)
+        if plan_kwargs.get("policy") == "reduce_scatter_then_gather":
+            plan_kwargs = {**plan_kwargs, "policy": ReduceScatterThenGather}
         dm = ssmshard.parallelize(model, ssmshard.Plan(tp=world, **plan_kwargs))
         gen = torch.Generator().manual_seed(seed)
         errors = []
@@ -26,8 +42,12 @@ def forward_errors(rank, world, cases, seed, out_path):
             ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=gen)
             with torch.no_grad():
                 errors.append(rel_err(dm(ids), model(ids).logits))
-        results.append({"family": family, "overrides": overrides, "plan": plan_kwargs, "err": max(errors),
-                        "collectives": len(dm.program.collectives)})
+        placed = [n for n in dm.program.graph.nodes if n.op == "call_function"]
+        results.append({"family": family, "overrides": overrides, "plan": str(plan_kwargs), "err": max(errors),
+                        "collectives": len(dm.program.collectives),
+                        "collective_kinds": sorted({p.kind for p in dm.program.sync_points}),
+                        "unplaced": [n.name for n in placed if "placement" not in n.meta],
+                        "placement_problems": check_placements(dm.program)})
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)

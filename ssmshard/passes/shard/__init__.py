@@ -8,6 +8,7 @@ and a swappable reduce ``policy``) -> ``localize`` (local sizes, rank-dependent 
 The placements stay on the graph (``node.meta["placement"]``) for later passes and reports.
 """
 
+from .check import check_placements
 from .communicate import Collectives, SyncPoint, bytes_per_token
 from .context import ShardingError, ShardOptions
 from .policy import MegatronPolicy, ReducePolicy, SequenceParallelPolicy
@@ -22,5 +23,5 @@ def sharding_steps(options: dict) -> list:
     return [(name, options) for name in SHARDING_PASSES]
 
 
-__all__ = ["Collectives", "MegatronPolicy", "ReducePolicy", "SHARDING_PASSES", "SequenceParallelPolicy",
+__all__ = ["check_placements", "Collectives", "MegatronPolicy", "ReducePolicy", "SHARDING_PASSES", "SequenceParallelPolicy",
            "ShardOptions", "ShardingError", "SyncPoint", "bytes_per_token", "output_placements", "sharding_steps"]
