@@ -27,6 +27,7 @@ def sharded_programs(program, model, plan) -> list:
     the copy's tags are copied too, since a graph copy shares its nodes' meta dicts.
     """
     from ..passes import run_pipeline
+    from ..passes.shard import sharding_steps
 
     placements = plan.layout(program, model)  # PlanError before any work
     programs = []
@@ -36,7 +37,7 @@ def sharded_programs(program, model, plan) -> list:
             if "ssmshard" in node.meta:
                 node.meta["ssmshard"] = dict(node.meta["ssmshard"])
         options = {"placements": placements, "rank": rank, "tp": plan.tp, "group": "inspect", "training": False}
-        programs.append(run_pipeline(local, [("shard", options), "collectives"]))
+        programs.append(run_pipeline(local, sharding_steps(options)))
     return programs
 
 

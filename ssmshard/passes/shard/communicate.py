@@ -171,6 +171,8 @@ class Collectives:
                           role=role, dtype=str(val.dtype).replace("torch.", ""),
                           bytes_per_token=bytes_per_token(val))
         node.meta["sync"] = point
+        # In the tags too, where views and reports read a node's facts generically.
+        node.meta["ssmshard"].update(sync=kind, sync_point=name, bytes_per_token=point.bytes_per_token)
         self.sync_points.append(point)
         return node
 
