@@ -360,6 +360,6 @@ def _capture_one(model, family, mode, example_batch, example_seq, packed=False, 
     )
     if packed:
         verify_packed_graph(program)
-    from .passes import run_pipeline  # late import: passes import Program
+    from .passes import CAPTURE_PASSES, run_pipeline  # late import: passes import Program
 
-    return run_pipeline(program, ["tag"])
+    return run_pipeline(program, list(CAPTURE_PASSES))

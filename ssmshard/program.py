@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import math
-import sys
 import dataclasses
 from typing import Any
 
@@ -91,6 +90,7 @@ class Program:
         self.recapture = None  # callable(user_inputs) -> Program, set by capture() while it holds the model
         # Filled by the sharding passes (passes/shard): rank, tp, group, output placements;
         # the forward collectives as named sync points, and the same as report rows.
+        self.tagged = False  # set by the tag pass: every call_function node carries tags
         self.shard: dict | None = None
         self.sync_points: list = []
         self.collectives: list[dict] = []
@@ -132,7 +132,6 @@ class Program:
         ranges = _user_input_ranges(exported, [n for n, i in zip(placeholders, inputs) if i.kind == "user"])
         module_names, module_types = _module_tables(model)
         gm = exported.graph_module
-        _canonicalize(gm.graph)
         gm.graph.eliminate_dead_code()
         # Tied weights (lm_head = embeddings) are lifted under both names with one of them
         # unused; keep the graph's inputs to the weights it reads.
@@ -369,84 +368,6 @@ def source_line(node: torch.fx.Node) -> str:
     trace = node.meta.get("stack_trace") or ""
     lines = [l.strip() for l in trace.strip().splitlines() if l.strip().startswith("File")]
     return lines[-1] if lines else "(no source line recorded)"
-
-
-def _canonicalize(graph: torch.fx.Graph) -> None:
-    """Rewrite ops whose eager kernels cannot take symbolic sizes into equivalents that can.
-
-    HF pads a prefill shorter than the conv kernel with ``F.pad(x, (K - L, 0))``. The pad
-    kernels insist on concrete widths, so fake-tensor re-propagation of such a graph fails;
-    a zero block concatenated in front is the same computation with symbolic sizes.
-    """
-    _sdpa_gqa(graph)
-    for node in list(graph.nodes):
-        if node.target not in (torch.ops.aten.pad.default, torch.ops.aten.constant_pad_nd.default):
-            continue
-        args = list(node.args)
-        if node.target is torch.ops.aten.pad.default:
-            mode = args[2] if len(args) > 2 else node.kwargs.get("mode", "constant")
-            value = args[3] if len(args) > 3 else node.kwargs.get("value", None)
-            if mode != "constant":
-                continue
-        else:
-            value = args[2] if len(args) > 2 else node.kwargs.get("value", 0.0)
-        x, widths = args[0], args[1]
-        if len(widths) != 2 or not any(isinstance(w, torch.fx.Node) for w in widths):
-            continue
-        left, right = widths
-        with graph.inserting_before(node):
-            pieces = []
-            for width in (left, right):
-                if isinstance(width, int) and width == 0:
-                    pieces.append(None)
-                    continue
-                sizes = [graph.call_function(torch.ops.aten.sym_size.int, (x, d)) for d in range(x.meta["val"].dim() - 1)]
-                block = graph.call_function(torch.ops.aten.new_full.default, (x, [*sizes, width], value or 0.0))
-                pieces.append(block)
-            parts = [p_ for p_ in (pieces[0], x, pieces[1]) if p_ is not None]
-            cat = graph.call_function(torch.ops.aten.cat.default, (parts, -1))
-        cat.meta.update({k: v for k, v in node.meta.items() if k != "val"})
-        node.replace_all_uses_with(cat)
-        graph.erase_node(node)
-
-
-_VIEW_LIKE_NOOPS = (torch.ops.aten.slice.Tensor,)
-
-
-def _repeated_kv_source(node):
-    """``k`` if ``node`` is HF's repeat_kv(k): reshape(expand(unsqueeze(k, 2))) with no-op slices."""
-    if node.target is not torch.ops.aten.reshape.default:
-        return None
-    expand = node.args[0]
-    if expand.target is not torch.ops.aten.expand.default:
-        return None
-    x = expand.args[0]
-    while x.target in _VIEW_LIKE_NOOPS and x.args[2:4] in ((0, sys.maxsize), (0, None)):
-        x = x.args[0]
-    if x.target is not torch.ops.aten.unsqueeze.default or x.args[1] != 2:
-        return None
-    x = x.args[0]
-    while x.target in _VIEW_LIKE_NOOPS and x.args[2:4] in ((0, sys.maxsize), (0, None)):
-        x = x.args[0]
-    return x
-
-
-def _sdpa_gqa(graph: torch.fx.Graph) -> None:
-    """Grouped-query attention as ``sdpa(q, k, v, enable_gqa=True)`` instead of repeat_kv.
-
-    Same values (query head i reads key/value head i // n_rep either way), but the key/value
-    heads stay a plain tensor dimension, so sharding them never has to look through the
-    expand/reshape that repeat_kv builds.
-    """
-    for node in list(graph.nodes):
-        if node.target is not torch.ops.aten.scaled_dot_product_attention.default or node.kwargs.get("enable_gqa"):
-            continue
-        key, value = (_repeated_kv_source(a) for a in node.args[1:3])
-        if key is None or value is None:
-            continue
-        node.args = (node.args[0], key, value, *node.args[3:])
-        node.kwargs = {**node.kwargs, "enable_gqa": True}
-    graph.eliminate_dead_code()
 
 
 def _module_tables(model):

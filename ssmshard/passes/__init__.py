@@ -13,9 +13,9 @@ integrity) and an op-count diff is recorded in ``program.history``. A verificati
 names the pass that broke the graph.
 """
 
-from .manager import (PassContext, PassVerificationError, get, register, registered, replay,
+from .manager import (CAPTURE_PASSES, PassContext, PassVerificationError, get, register, registered, replay,
                       run_pipeline, unregister, verify)
-from . import shard, swap_kernels, tag  # noqa: F401  (register the built-in passes)
+from . import canonicalize, shard, swap_kernels, tag  # noqa: F401  (register the built-in passes)
 
-__all__ = ["PassContext", "PassVerificationError", "get", "register", "registered", "replay", "run_pipeline",
+__all__ = ["CAPTURE_PASSES", "PassContext", "PassVerificationError", "get", "register", "registered", "replay", "run_pipeline",
            "unregister", "verify"]

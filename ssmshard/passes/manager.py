@@ -17,6 +17,9 @@ _REGISTRY: dict[str, PassFn] = {}
 # Passes registered with analysis_only=True promise not to change the graph's computation
 # (they only annotate); after them the verifier checks tags and skips fake re-propagation.
 _ANALYSIS_ONLY: set[str] = set()
+# Passes registered with repropagate=False: local rewrites known to keep every value's shape,
+# verified by lint and tags only (capture runs them on models of any size).
+_NO_REPROPAGATION: set[str] = set()
 REQUIRED_TAGS = ("module", "call_site", "layer", "block", "role")
 
 
@@ -33,13 +36,15 @@ class PassContext:
     shared: dict[str, Any] = dataclasses.field(default_factory=dict)  # scratch space across passes
 
 
-def register(name: str, fn: PassFn | None = None, *, replace: bool = False, analysis_only: bool = False):
+def register(name: str, fn: PassFn | None = None, *, replace: bool = False, analysis_only: bool = False,
+             repropagate: bool = True):
     """Register ``fn`` as pass ``name``; usable as ``register(name, fn)`` or ``@register(name)``."""
     def decorator(f: PassFn) -> PassFn:
         if name in _REGISTRY and not replace and _REGISTRY[name] is not f:
             raise ValueError(f"a pass named {name!r} is already registered; pass replace=True to override")
         _REGISTRY[name] = f
         (_ANALYSIS_ONLY.add if analysis_only else _ANALYSIS_ONLY.discard)(name)
+        (_NO_REPROPAGATION.discard if repropagate and not analysis_only else _NO_REPROPAGATION.add)(name)
         return f
 
     return decorator(fn) if fn is not None else decorator
@@ -48,6 +53,7 @@ def register(name: str, fn: PassFn | None = None, *, replace: bool = False, anal
 def unregister(name: str) -> None:
     _REGISTRY.pop(name, None)
     _ANALYSIS_ONLY.discard(name)
+    _NO_REPROPAGATION.discard(name)
 
 
 def get(name: str) -> PassFn:
@@ -135,7 +141,8 @@ def run_pipeline(program, steps, *, skip: Iterable[str] = (), debug_dir: str | N
         program.graph_module.recompile()
         seconds = time.perf_counter() - started
         if verify_each:
-            verify(program, pass_name=name, propagate=name not in _ANALYSIS_ONLY)
+            verify(program, pass_name=name, propagate=name not in _NO_REPROPAGATION,
+                   check_tags=getattr(program, "tagged", True))
         after = program.op_counts()
         program.history.append({"pass": name, "fn": fn, "options": options, "seconds": seconds,
                                 "op_diff": _op_diff(before, after)})
@@ -144,10 +151,14 @@ def run_pipeline(program, steps, *, skip: Iterable[str] = (), debug_dir: str | N
     return program
 
 
+# What capture runs on every program it makes (a sibling capture included): not replayed.
+CAPTURE_PASSES = ("pad_as_cat", "gqa_attention", "tag")
+
+
 def replay(program, history):
     """Run on ``program`` the passes recorded in another program's ``history`` (bucket siblings)."""
     steps = [((h["pass"] if _REGISTRY.get(h["pass"]) is h["fn"] else h["fn"]), h["options"])
-             for h in history if not h.get("skipped") and h["pass"] != "tag"]
+             for h in history if not h.get("skipped") and h["pass"] not in CAPTURE_PASSES]
     return run_pipeline(program, steps)
 
 

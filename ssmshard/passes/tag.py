@@ -150,4 +150,5 @@ def tag(program, ctx):
             if any(u.meta.get("ssmshard", {}).get("role") == "gate_norm" for u in node.users):
                 spec = program.param_specs[next(i.target for i in program.inputs if i.name == node.name)]
                 spec.role = "gate_norm"
+    program.tagged = True
     return program

@@ -1,0 +1,88 @@
+"""Canonical forms: rewrites capture runs before tagging, so later passes see one form per idea.
+
+* ``pad_as_cat``: HF pads a prefill shorter than the conv kernel with ``F.pad(x, (K - L, 0))``.
+  The pad kernels insist on concrete widths, so fake-tensor propagation of such a graph fails
+  on symbolic lengths; a zero block concatenated in front is the same computation.
+* ``gqa_attention``: grouped-query attention as ``sdpa(q, k, v, enable_gqa=True)`` instead of
+  HF's ``repeat_kv`` (``reshape(expand(unsqueeze(k, 2)))``). Same values (query head i reads
+  key/value head i // n_rep either way), but key/value heads stay a plain tensor dim, so
+  sharding them never has to look through the expand/reshape.
+
+Both are semantics-preserving local rewrites, registered without fake re-propagation (the
+capture of a 64-layer model would pay for it twice); the sharding passes re-propagate later.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from .manager import register
+
+aten = torch.ops.aten
+CANONICAL_PASSES = ("pad_as_cat", "gqa_attention")
+
+
+@register("pad_as_cat", repropagate=False)
+def pad_as_cat(program, ctx):
+    graph = program.graph
+    for node in list(graph.nodes):
+        if node.target not in (aten.pad.default, aten.constant_pad_nd.default):
+            continue
+        args = list(node.args)
+        if node.target is aten.pad.default:
+            mode = args[2] if len(args) > 2 else node.kwargs.get("mode", "constant")
+            value = args[3] if len(args) > 3 else node.kwargs.get("value", None)
+            if mode != "constant":
+                continue
+        else:
+            value = args[2] if len(args) > 2 else node.kwargs.get("value", 0.0)
+        x, widths = args[0], args[1]
+        if len(widths) != 2 or not any(isinstance(w, torch.fx.Node) for w in widths):
+            continue
+        with graph.inserting_before(node):
+            pieces = []
+            for width in widths:
+                if isinstance(width, int) and width == 0:
+                    pieces.append(None)
+                    continue
+                sizes = [graph.call_function(aten.sym_size.int, (x, d)) for d in range(x.meta["val"].dim() - 1)]
+                pieces.append(graph.call_function(aten.new_full.default, (x, [*sizes, width], value or 0.0)))
+            parts = [part for part in (pieces[0], x, pieces[1]) if part is not None]
+            cat = graph.call_function(aten.cat.default, (parts, -1))
+        cat.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+        node.replace_all_uses_with(cat)
+        graph.erase_node(node)
+    return program
+
+
+def _through_noop_slices(node):
+    while node.target is aten.slice.Tensor and node.args[2:4] in ((0, sys.maxsize), (0, None)):
+        node = node.args[0]
+    return node
+
+
+def _repeated_kv_source(node):
+    """``k`` if ``node`` is HF's repeat_kv(k): reshape(expand(unsqueeze(k, 2))) with no-op slices."""
+    if node.target is not aten.reshape.default or node.args[0].target is not aten.expand.default:
+        return None
+    x = _through_noop_slices(node.args[0].args[0])
+    if x.target is not aten.unsqueeze.default or x.args[1] != 2:
+        return None
+    return _through_noop_slices(x.args[0])
+
+
+@register("gqa_attention", repropagate=False)
+def gqa_attention(program, ctx):
+    graph = program.graph
+    for node in list(graph.nodes):
+        if node.target is not aten.scaled_dot_product_attention.default or node.kwargs.get("enable_gqa"):
+            continue
+        key, value = (_repeated_kv_source(a) for a in node.args[1:3])
+        if key is None or value is None:
+            continue
+        node.args = (node.args[0], key, value, *node.args[3:])
+        node.kwargs = {**node.kwargs, "enable_gqa": True}
+    graph.eliminate_dead_code()
+    return program
