@@ -8,6 +8,9 @@
 
 The ``group`` argument is a name registered with :func:`register_group`, so graphs stay
 plain data (no process-group objects in them) and one graph can serve any launcher.
+
+A collective that fails (a rank left, failed, skipped it, or the process group's timeout
+passed) raises :class:`CollectiveError` naming this rank, the collective and the group.
 """
 
 from __future__ import annotations
@@ -30,10 +33,40 @@ def resolve_group(name: str):
     return _GROUPS[name]
 
 
+class CollectiveError(RuntimeError):
+    """A collective did not complete on this rank; the message names the rank, op and group."""
+
+
+def _timeout_seconds(pg) -> float | None:
+    """The timeout ``pg`` was created with, where this torch exposes it (a private attribute)."""
+    try:
+        device = torch.device("cuda" if dist.get_backend(pg) == "nccl" else "cpu")
+        return pg._get_backend(device).options._timeout.total_seconds()
+    except Exception:  # noqa: BLE001  (only used to word an error message)
+        return None
+
+
+def _run_collective(what: str, group: str, pg, run):
+    """``run()``, with a failure re-raised as one that says which rank waited in what."""
+    try:
+        return run()
+    except RuntimeError as exc:
+        rank, world = dist.get_rank(), dist.get_world_size(pg)
+        timeout = _timeout_seconds(pg)
+        bound = f"the process group's timeout ({timeout:g} s)" if timeout else "the process group's timeout"
+        # The cause's traceback only shows torch.distributed's frames: its message is kept whole.
+        raise CollectiveError(
+            f"rank {rank} waited in {what} over process group {group!r} ({world} ranks) and it failed. "
+            f"Another rank failed, left, or did not call this {what} (every rank must run the same "
+            f"collectives in the same order); a wait is bounded by {bound} (ssmshard.launch(timeout=...) "
+            f"or SSMSHARD_TIMEOUT).\n{type(exc).__name__}: {str(exc).strip()}") from None
+
+
 @torch.library.custom_op("ssmshard::all_reduce", mutates_args=())
 def all_reduce(x: Tensor, group: str) -> Tensor:
     out = x.contiguous().clone()
-    dist.all_reduce(out, group=resolve_group(group))
+    pg = resolve_group(group)
+    _run_collective("all_reduce", group, pg, lambda: dist.all_reduce(out, group=pg))
     return out
 
 
@@ -66,7 +99,7 @@ tp_copy.register_autograd(lambda ctx, grad: (all_reduce(grad, ctx.group), None),
 def all_gather(x: Tensor, dim: int, group: str) -> Tensor:
     pg = resolve_group(group)
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(pg))]
-    dist.all_gather(parts, x.contiguous(), group=pg)
+    _run_collective("all_gather", group, pg, lambda: dist.all_gather(parts, x.contiguous(), group=pg))
     return torch.cat(parts, dim=dim)
 
 
