@@ -70,23 +70,34 @@ def block_graph(program) -> nx.DiGraph:
     return g
 
 
-def sharding_report(program) -> str:
-    """Weights: placement and local shape; collectives: place, dtype and bytes per token."""
+def sharding_report(program, *, weights: bool = True) -> str:
+    """Weights: placement and local shape; collectives: place, dtype and bytes per token.
+
+    Bytes per token are each rank's operand (``passes/collectives.py``); ``weights=False``
+    leaves out the weight table.
+    """
+    from .passes.collectives import total_bytes_per_token
     from .placement import local_shape
 
     shard = getattr(program, "shard", None)
     if shard is None:
         return "not sharded (run the shard pass, e.g. through ssmshard.parallelize)"
-    lines = [f"rank {shard['rank']} of tp={shard['tp']}", f"{'weight':<58} {'placement':<36} local shape"]
-    for fqn, spec in program.param_specs.items():
-        placement = spec.placement
-        shape = local_shape(spec.shape, placement) if placement is not None else spec.shape
-        lines.append(f"{fqn:<58} {str(placement):<36} {tuple(shape)}")
+    lines = [f"rank {shard['rank']} of tp={shard['tp']}"]
+    if weights:
+        lines.append(f"{'weight':<58} {'placement':<36} local shape")
+        for fqn, spec in program.param_specs.items():
+            placement = spec.placement
+            shape = local_shape(spec.shape, placement) if placement is not None else spec.shape
+            lines.append(f"{fqn:<58} {str(placement):<36} {tuple(shape)}")
     rows = getattr(program, "collectives", [])
-    total = sum(r["bytes_per_token"] for r in rows)
-    lines.append(f"{len(rows)} collectives, {total:,} bytes per token in all:")
+    lines.append(f"{len(rows)} collectives, {_bytes(total_bytes_per_token(rows))} bytes per token in all "
+                 "(each rank's operand):")
     for r in rows:
         layer = "-" if r["layer"] is None else r["layer"]
         lines.append(f"  #{r['id']:<3} {r['op']:<10} layer {layer:<3} {r['block']:<9} after {r['role']:<10} "
-                     f"{r['dtype']:<8} {r['bytes_per_token']:>7,} B/token")
+                     f"{r['dtype']:<8} {_bytes(r['bytes_per_token']):>7} B/token")
     return "\n".join(lines)
+
+
+def _bytes(count) -> str:
+    return "unknown" if count is None or count != count else f"{count:,}"

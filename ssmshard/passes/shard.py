@@ -708,7 +708,15 @@ def _gated_norm_across_ranks(s, node, p):
         gated = s._new(aten.mul.Tensor, (y, act), node)
         square = s._new(aten.mul.Tensor, (gated, gated), node)
         partial = s._new(aten.sum.dim_IntList, (square, [-1], True), node)
-        slots = s._new(aten.constant_pad_nd.default, (partial, [my_group, n_groups - my_group - 1], 0.0), node)
+        # Zeros in the other groups' slots by concatenation: constant_pad_nd would do the same,
+        # but its fake kernel fixes the symbolic batch and sequence lengths to the example's,
+        # and every shape after it (bytes-per-token accounting included) would keep them.
+        slots = partial
+        if n_groups > 1:
+            zero = s._new(aten.zeros_like.default, (partial,), node)
+            s.place[zero] = PARTIAL
+            pieces = [zero] * my_group + [partial] + [zero] * (n_groups - my_group - 1)
+            slots = s._new(aten.cat.default, (pieces, -1), node)
         total = s._new(ssm.all_reduce.default, (slots, s.group), node)
         total.meta["ssmshard"]["sync"] = "all_reduce"
     s.place[total] = REPLICATE
