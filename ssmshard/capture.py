@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import logging
 import time
 import warnings
 
@@ -47,6 +48,8 @@ from .hf_compat import cache_kwarg
 from .hf_shims import continued_scans, swapped_kernel_functions
 from .packed_capture import PackedForward, check_packable, example_cu_seqlens, verify_packed_graph
 from .program import Program, StateSpec, unpadded_mask_and_positions
+
+log = logging.getLogger(__name__)
 
 MODES = ("forward", "prefill", "decode", "chunk")
 # Modes whose programs take the state tensors as inputs.
@@ -204,17 +207,67 @@ def _model_device(model) -> torch.device:
     return torch.device("cpu")
 
 
+# torch.export reports, as warnings, facts the Program's shape ranges already record (a
+# length specialised to 0/1, a narrowed range): at capture they only alarm users.
+_EXPORT_LOGGERS = ("torch._export", "torch.export", "torch.fx.experimental.symbolic_shapes", "torch._dynamo")
+PROGRESS_EVERY_S = 5.0  # at most one progress line per this many seconds of tracing
+
+
+@contextlib.contextmanager
+def _quiet_export_logs():
+    loggers = [logging.getLogger(name) for name in _EXPORT_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(max(logger.getEffectiveLevel(), logging.ERROR))
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
 @contextlib.contextmanager
 def _capture_context(model, family):
-    """Eval mode (training-only fused paths off), swapped kernels, quiet HF fallbacks."""
+    """Eval mode (training-only fused paths off), swapped kernels, quiet HF fallbacks and export notes."""
     was_training = model.training
     model.eval()
     try:
-        with swapped_kernel_functions(family.modeling_module), warnings.catch_warnings():
+        with swapped_kernel_functions(family.modeling_module), warnings.catch_warnings(), _quiet_export_logs():
             warnings.simplefilter("ignore")
             yield
     finally:
         model.train(was_training)
+
+
+@contextlib.contextmanager
+def _layer_progress(model, what: str):
+    """Log (INFO, every ``PROGRESS_EVERY_S``) which decoder layer export is tracing: a large model
+    takes tens of seconds. Forward pre-hooks only read a clock; nothing enters the graph."""
+    layers = [m for name, m in model.named_modules()
+              if name.rpartition(".")[2] == "layers" and isinstance(m, torch.nn.ModuleList)]
+    count = sum(len(m) for m in layers)
+    started = last = time.perf_counter()
+    handles = []
+
+    def hook(index):
+        def report(module, args):
+            nonlocal last
+            now = time.perf_counter()
+            if now - last >= PROGRESS_EVERY_S:
+                last = now
+                log.info("capturing %s: layer %d of %d after %.0fs", what, index + 1, count, now - started)
+        return report
+
+    index = 0
+    for modules in layers:
+        for layer in modules:
+            handles.append(layer.register_forward_pre_hook(hook(index)))
+            index += 1
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _example_ids(model, batch, seq, device):
@@ -261,8 +314,11 @@ def capture(model, *, mode: str = "forward", packed: bool = False, example_batch
             raise NotImplementedError(f"packed sequences are supported by forward programs only, not {mode!r}")
         check_packable(model, family)
     started = time.perf_counter()
+    what = f"{family.class_name} ({mode}{', packed' if packed else ''})"
+    log.debug("capturing %s", what)
     program = _capture_one(model, family, mode, example_batch, example_seq, packed)
     program.capture_seconds = time.perf_counter() - started
+    log.info("captured %s: %d ops in %.1fs", what, program.node_count(), program.capture_seconds)
     program.recapture = lambda user_inputs: _recapture(model, family, program, user_inputs)
     if _model_device(model).type != "meta":
         program.bind(model)
@@ -282,6 +338,7 @@ def _recapture(model, family, program, user_inputs) -> Program:
     past = user_inputs[1].shape[1] - seq if program.mode in STATEFUL_MODES else 0  # the mask covers past + seq
     if program.mode == "decode":
         seq = past  # decode's example length is its past
+    log.debug("capturing a %s program for shapes %s", program.mode, [tuple(t.shape) for t in user_inputs[:3]])
     sibling = _capture_one(model, family, program.mode, batch, seq, program.packed, example_past=past)
     from .passes import replay
 
@@ -341,14 +398,15 @@ def _capture_one(model, family, mode, example_batch, example_seq, packed=False, 
             args = (ids, *unpadded_mask_and_positions(ids, past), states)
             new = {0: batch} if mode == "decode" else {0: batch, 1: Dim.AUTO}
             dynamic = (new, {0: batch, 1: Dim.AUTO}, new, dynamic_states)
-        try:
-            exported = torch.export.export(wrapper, args, dynamic_shapes=dynamic, strict=False)
-        except torch._dynamo.exc.UserError:
-            if mode != "forward":
-                raise
-            # This model does branch on length after all: let export choose the ranges.
-            dynamic = ({1: Dim.AUTO}, {0: Dim.AUTO}) if packed else ({0: batch, 1: Dim.AUTO},)
-            exported = torch.export.export(wrapper, args, dynamic_shapes=dynamic, strict=False)
+        with _layer_progress(model, f"{family.class_name} ({mode})"):
+            try:
+                exported = torch.export.export(wrapper, args, dynamic_shapes=dynamic, strict=False)
+            except torch._dynamo.exc.UserError:
+                if mode != "forward":
+                    raise
+                # This model does branch on length after all: let export choose the ranges.
+                dynamic = ({1: Dim.AUTO}, {0: Dim.AUTO}) if packed else ({0: batch, 1: Dim.AUTO},)
+                exported = torch.export.export(wrapper, args, dynamic_shapes=dynamic, strict=False)
 
     state_specs = []
     if state_template is not None:

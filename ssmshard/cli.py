@@ -3,25 +3,38 @@
 ``inspect`` captures a model built on the meta device (no weights are allocated, so a
 config of any size works) and prints what the program holds. ``demo`` checks, on a tiny
 randomly initialised model, that the captured programs compute what Hugging Face eager does.
+
+A user error (a bad argument, an unknown model, an impossible plan, a combination the
+sharding rules do not support) prints one line ``error: ...`` and exits with status 2
+(``-v`` adds the traceback). Progress goes to stderr through the ``ssmshard`` logger:
+``-q`` keeps warnings only, ``-v`` adds debug messages.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
+import logging
 import os
 import sys
 import tempfile
 import time
+import traceback
 
 import torch
 
-DEMO_TOLERANCE = 1e-5
+DEMO_TOLERANCE = 1e-5  # largest relative error the demo accepts (float32)
 PLACEMENT_NOTATION = """placements (docs/design.md): R every rank holds the whole value; R~ the same, but its
 gradient is a per-rank partial sum; P every rank holds a summand; S(d:n/k,...) dimension d is a
 concatenation of segments, a segment of n elements cut into k equal pieces of which each rank
-holds one; n/k@s: s consecutive ranks hold the same piece. Example: S(0:128/4,32/2@2) on 4 ranks
-holds rows 32r..32r+31 of the first segment and piece r//2 (16 rows) of the second."""
+holds one; n/k@s: s consecutive ranks hold the same piece; S(d:seq) the sequence dim cut into
+tp equal chunks (padded). Example: S(0:128/4,32/2@2) on 4 ranks holds rows 32r..32r+31 of the
+first segment and piece r//2 (16 rows) of the second."""
+
+
+class UserError(Exception):
+    """Something the user can fix: printed as one ``error:`` line, exit status 2."""
 
 
 def _quiet_transformers() -> None:
@@ -40,32 +53,48 @@ def load_config(model: str):
 
     if model in BY_NAME:
         return BY_NAME[model].make_config()
-    if os.path.isdir(model):
-        if not os.path.isfile(os.path.join(model, "config.json")):
-            raise ValueError(f"{model} is a directory without a config.json")
+    if os.path.isdir(model) and not os.path.isfile(os.path.join(model, "config.json")):
+        raise UserError(f"{model} is a directory without a config.json")
+    if not os.path.exists(model):
+        raise UserError(f"{model!r} is neither a family name ({', '.join(BY_NAME)}), "
+                        "a config.json file, nor a checkpoint directory")
+    try:
         return AutoConfig.from_pretrained(model)
-    if os.path.isfile(model):
-        return AutoConfig.from_pretrained(model)  # a path to a config .json file
-    raise ValueError(f"{model!r} is neither a family name ({', '.join(BY_NAME)}), "
-                     "a config.json file, nor a checkpoint directory")
+    except (OSError, ValueError, KeyError) as exc:
+        raise UserError(f"cannot read a model config from {model}: {exc}") from exc
+
+
+def _meta_model(name: str):
+    from .families import model_class_for
+
+    config = load_config(name)
+    try:
+        cls = model_class_for(config)
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
+    try:
+        with torch.device("meta"):  # shapes only: no memory for weights, any size works
+            return cls(config).eval()
+    except ValueError as exc:  # HF's own check of the config (sizes that do not divide, ...)
+        raise UserError(f"{cls.__name__} rejects the config of {name}: {exc}") from exc
 
 
 def cmd_inspect(args) -> int:
     import ssmshard
+    from .capture import STATEFUL_MODES
 
-    try:
-        from .families import model_class_for
+    if not 0 <= args.rank < args.tp:
+        raise UserError(f"--rank {args.rank} is not a rank of --tp {args.tp} (ranks 0 to {args.tp - 1})")
+    model = _meta_model(args.model)
+    # Decode and chunk programs take the states prefill returns, sharded as prefill shards them.
+    prefill = ssmshard.capture(model, mode="prefill") if args.mode in STATEFUL_MODES and args.tp > 1 else None
+    program = ssmshard.capture(model, mode=args.mode)
+    plan = ssmshard.Plan(tp=args.tp) if args.tp > 1 else None
+    if plan is not None:
+        for p in (prefill, program):
+            if p is not None:
+                plan.layout(p, model)  # an impossible plan is an error before anything is printed
 
-        config = load_config(args.model)
-        cls = model_class_for(config)
-        with torch.device("meta"):  # shapes only: no memory for weights, any size works
-            model = cls(config).eval()
-        started = time.perf_counter()
-        program = ssmshard.capture(model, mode=args.mode)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    seconds = time.perf_counter() - started
     print(program.summary())
     if args.graph:
         print(program.print_readable(print_output=False))
@@ -73,50 +102,27 @@ def cmd_inspect(args) -> int:
         print("block graph edges (call site, block kind):")
         for src, dst in program.block_graph().edges():
             print(f"  {src[0]} [{src[1]}] -> {dst[0]} [{dst[1]}]")
-    print(f"captured {type(model).__name__} ({args.mode}) in {seconds:.2f}s; "
-          f"shapes served: {program.describe_ranges() or 'static'}")
+    print(f"{program.mode} program serves shapes: {program.describe_ranges() or 'static'}")
     if args.html:
         from .views import sharded_programs, write_html
 
-        try:  # every rank's program, before the report below shards `program` in place
-            write_html(args.html, sharded_programs(program, model, ssmshard.Plan(tp=args.tp))
-                       if args.tp > 1 else [program])
-        except ssmshard.PlanError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+        # Every rank's program, from copies: the report below shards ``program`` in place.
+        write_html(args.html, sharded_programs(program, model, plan, prefill=prefill) if plan else [program])
         print(f"wrote {args.html}")
-    if args.tp > 1:
-        return _inspect_sharding(program, model, args.tp, args.rank)
+    if plan is not None:
+        print(plan.explain(program, model))
+        program = _shard_for_report(program, prefill, model, plan, args.rank)
+        print(program.report(activations=args.placements))
     return 0
 
 
-def _inspect_sharding(program, model, tp, rank) -> int:
-    """Plan, shard and report one rank's program on meta: no process group, no weights."""
-    import ssmshard
-    from .passes import run_pipeline
-    from .passes.shard import sharding_steps
+def _shard_for_report(program, prefill, model, plan, rank):
+    """Rank ``rank``'s program as the runtime builds it, on meta: no process group, no weights."""
+    from .runtime.pipeline import shard_program
 
-    plan = ssmshard.Plan(tp=tp)
-    try:
-        placements = plan.layout(program, model)
-    except ssmshard.PlanError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(plan.explain(program, model))
-    options = {"placements": placements, "rank": rank, "tp": tp, "group": "inspect", "training": False}
-    sharded = run_pipeline(program, sharding_steps(options))
-    print(sharded.report())
-    return 0
-
-
-def _print_history(program) -> None:
-    print(f"pass history of the {program.mode} program:")
-    for record in program.history:
-        if record.get("skipped"):
-            print(f"  {record['pass']:<12} skipped")
-            continue
-        diff = ", ".join(f"{op} {n:+d}" for op, n in record["op_diff"].items()) or "no op-count change"
-        print(f"  {record['pass']:<12} {record['seconds'] * 1e3:7.1f} ms  {diff}")
+    if prefill is not None:
+        prefill = shard_program(prefill, model, plan, rank=rank, group="inspect")
+    return shard_program(program, model, plan, rank=rank, group="inspect", prefill=prefill)
 
 
 def cmd_demo(args) -> int:
@@ -130,13 +136,8 @@ def cmd_demo(args) -> int:
     print(f"demo: {type(model).__name__} (small default config, random weights), "
           f"{sum(p.numel() for p in model.parameters()):,} parameters")
 
-    programs = {}
-    for mode in ("forward", "prefill", "decode"):
-        started = time.perf_counter()
-        programs[mode] = ssmshard.capture(model, mode=mode)
-        print(f"captured {mode:<8} {programs[mode].node_count():5d} ops in {time.perf_counter() - started:.2f}s")
+    programs = {mode: ssmshard.capture(model, mode=mode) for mode in ("forward", "prefill", "decode")}
     print(programs["forward"].summary())
-    _print_history(programs["forward"])
 
     gen = torch.Generator().manual_seed(1234)
     with torch.no_grad():
@@ -147,31 +148,30 @@ def cmd_demo(args) -> int:
         expected = hf_incremental_logits(model, prompt, next_tokens)
         got = program_incremental_logits(programs["prefill"], programs["decode"], prompt, next_tokens)
     decode_err = max(rel_err(a, b) for a, b in zip(got, expected))
-    # A shape outside a graph's ranges (e.g. a prefill shorter than the conv kernel) adds a sibling.
-    print("graphs in each shape-bucket cache: " +
-          ", ".join(f"{mode} {1 + len(p.siblings)}" for mode, p in programs.items()))
-    print(f"forward (batch 2, seq 24) vs HF eager:                 max rel err {forward_err:.1e}")
-    print(f"prefill (16 tokens) + {args.tokens} decode steps vs HF with cache: max rel err {decode_err:.1e}")
+    print(f"forward (batch 2, seq 24) vs HF eager: max rel err {_within(forward_err)}")
+    print(f"prefill (16 tokens) + {args.tokens} decode steps vs HF with its cache: max rel err {_within(decode_err)}")
 
-    tp_err = float("nan")
+    errors = [forward_err, decode_err]
     if args.nproc > 1:
-        plan = ssmshard.Plan(tp=args.nproc)
-        print(f"\ntensor parallelism over {args.nproc} CPU ranks (gloo): {plan}")
+        print(f"\ntensor parallelism over {args.nproc} CPU processes (gloo): {ssmshard.Plan(tp=args.nproc)}")
         with tempfile.TemporaryDirectory() as tmp:
             result_path = os.path.join(tmp, "tp.json")
             ssmshard.launch(_demo_rank, args.nproc, args.family, result_path)
             with open(result_path) as f:
-                tp_err = json.load(f)["err"]
-    ok = all(e <= DEMO_TOLERANCE for e in (forward_err, decode_err)) and not tp_err > DEMO_TOLERANCE
-    status = "demo OK" if ok else "demo FAILED"
-    print(f"{status}: forward rel err {forward_err:.1e}, decode rel err {decode_err:.1e}, "
-          f"tp={args.nproc} logits rel err {tp_err:.1e} (tolerance {DEMO_TOLERANCE:.0e})")
+                errors.append(json.load(f)["err"])
+    ok = all(e <= DEMO_TOLERANCE for e in errors)
+    print("demo OK" if ok else f"demo FAILED: an error above exceeds the tolerance {DEMO_TOLERANCE:.0e}")
     return 0 if ok else 1
+
+
+def _within(err: float) -> str:
+    return f"{err:.1e} (tolerance {DEMO_TOLERANCE:.0e}{'' if err <= DEMO_TOLERANCE else ': EXCEEDED'})"
 
 
 def _demo_rank(rank, world, family, result_path):
     """One rank of the demo: shard the model, run it, compare with the unsharded HF model."""
     import ssmshard
+    from .inspect import sharding_report
     from .testing import randomize_weights, rel_err
 
     _quiet_transformers()
@@ -188,44 +188,121 @@ def _demo_rank(rank, world, family, result_path):
         seconds = (time.perf_counter() - started) / repeats
         err = rel_err(logits, model(ids).logits)
     if rank == 0:
-        print(dm.program.report())
-        print(f"capture + shard + collectives passes: {shard_seconds:.2f}s")
-        print(f"tp={world} forward (batch 4, seq 64) vs unsharded HF eager: max rel err {err:.1e}; "
+        specs = dm.program.param_specs.values()
+        split = sum(1 for s in specs if type(s.placement).__name__ == "Shard")
+        print(f"captured and sharded in {shard_seconds:.1f}s; rank 0 holds {split} of {len(specs)} weights split, "
+              f"the rest whole (`ssmshard inspect {family} --tp {world}` lists them)")
+        print(sharding_report(dm.program, weights=False))
+        print(f"tp={world} forward (batch 4, seq 64) vs unsharded HF eager: max rel err {_within(err)}; "
               f"{ids.numel() / seconds:,.0f} tokens/s on CPU")
         with open(result_path, "w") as f:
             json.dump({"err": err}, f)
 
 
+# ----------------------------------------------------------------------------- arguments
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own errors (unknown option, bad value) are user errors
+        raise UserError(f"{message} (see `{self.prog} --help`)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _rank(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a rank (0, 1, ...), got {text!r}")
+    return value
+
+
+def _version() -> str:
+    from . import __version__
+
+    versions = ", ".join(f"{name} {importlib.metadata.version(name)}" for name in ("torch", "transformers"))
+    return f"ssmshard {__version__} ({versions})"
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from .capture import MODES
     from .families import BY_NAME
 
-    parser = argparse.ArgumentParser(prog="ssmshard", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="ssmshard", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=_version())
+    output = _Parser(add_help=False)
+    output.add_argument("-v", "--verbose", action="store_true", help="debug messages, tracebacks of errors")
+    output.add_argument("-q", "--quiet", action="store_true", help="no progress messages, warnings only")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    p = sub.add_parser("inspect", help="capture a model on the meta device and print its program",
+    p = sub.add_parser("inspect", parents=[output], help="capture a model on the meta device and print its program",
+                       description="Capture MODEL on the meta device and print its program; with --tp, the plan "
+                                   "and one rank's placements, local shapes and collectives (bytes per token are "
+                                   "each rank's operand).",
                        epilog=PLACEMENT_NOTATION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help=f"a family name ({', '.join(BY_NAME)}), a config.json, or a checkpoint directory")
-    p.add_argument("--mode", choices=("forward", "prefill", "decode", "chunk"), default="forward")
+    p.add_argument("--mode", choices=MODES, default="forward")
     p.add_argument("--graph", action="store_true", help="also print the full graph")
     p.add_argument("--blocks", action="store_true", help="also print the block graph's edges")
-    p.add_argument("--tp", type=int, default=1, help="also plan and shard for this many ranks and report")
-    p.add_argument("--rank", type=int, default=0, help="the rank whose sharded program --tp reports")
-    p.add_argument("--html", metavar="PATH", help="also write every rank's program as one self-contained HTML "
-                   "page (blocks per layer, collectives, weight placements on hover, a rank selector)")
+    p.add_argument("--tp", type=_positive_int, default=1, help="also plan and shard for this many ranks and report")
+    p.add_argument("--rank", type=_rank, default=0, help="the rank whose sharded program --tp reports (default 0)")
+    p.add_argument("--placements", action="store_true",
+                   help="with --tp, also print every op's placement and local shape (activations too)")
+    p.add_argument("--html", metavar="PATH", help="also write every rank's sharded program as one self-contained "
+                                                   "HTML page (blocks per layer, collectives, placements on hover)")
     p.set_defaults(func=cmd_inspect)
 
-    p = sub.add_parser("demo", help="capture a tiny model and check its programs against HF eager")
+    p = sub.add_parser("demo", parents=[output], help="capture a tiny model and check its programs against HF eager")
     p.add_argument("--family", choices=sorted(BY_NAME), default="mamba2")
-    p.add_argument("--tokens", type=int, default=8, help="decode steps after the 16-token prefill")
-    p.add_argument("--nproc", type=int, default=2, help="tensor-parallel CPU ranks (1: skip)")
+    p.add_argument("--tokens", type=_positive_int, default=8, help="decode steps after the 16-token prefill")
+    p.add_argument("--nproc", type=_positive_int, default=2, help="tensor-parallel CPU processes (1: skip)")
     p.set_defaults(func=cmd_demo)
     return parser
 
 
+class _Format(logging.Formatter):
+    def format(self, record):
+        message = super().format(record)
+        return message if record.levelno == logging.INFO else f"{record.levelname.lower()}: {message}"
+
+
+def _log_to_stderr(verbose: bool, quiet: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_Format())
+    logger = logging.getLogger("ssmshard")
+    logger.handlers = [handler]
+    logger.propagate = False
+    logger.setLevel(logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO)
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    _quiet_transformers()
-    return args.func(args)
+    from .passes.shard import ShardingError
+    from .plan import PlanError
+
+    verbose = False
+    try:
+        args = build_parser().parse_args(argv)
+        verbose = args.verbose
+        _log_to_stderr(args.verbose, args.quiet)
+        _quiet_transformers()
+        return args.func(args)
+    except (UserError, PlanError, ShardingError) as exc:
+        if verbose:
+            traceback.print_exc()
+        message = " ".join(str(exc).split())
+        print(f"error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 
 import networkx as nx
+import torch
 
 from .program import op_name
 
@@ -70,23 +71,60 @@ def block_graph(program) -> nx.DiGraph:
     return g
 
 
-def sharding_report(program) -> str:
-    """Weights: placement and local shape; collectives: place, dtype and bytes per token."""
+def sharding_report(program, *, weights: bool = True, activations: bool = False) -> str:
+    """Weights: placement and local shape; sync points: kind, place, dtype, bytes per token and
+    what sync-point passes made of them (kept, dropped, quantized); with ``activations``, every
+    op's placement and local shape.
+
+    Bytes per token are each rank's operand (``passes/shard/communicate.py``); ``weights=False``
+    leaves out the weight table.
+    """
     from .placement import local_shape
 
     shard = getattr(program, "shard", None)
     if shard is None:
-        return "not sharded (run the shard pass, e.g. through ssmshard.parallelize)"
-    lines = [f"rank {shard['rank']} of tp={shard['tp']}", f"{'weight':<58} {'placement':<36} local shape"]
-    for fqn, spec in program.param_specs.items():
-        placement = spec.placement
-        shape = local_shape(spec.shape, placement) if placement is not None else spec.shape
-        lines.append(f"{fqn:<58} {str(placement):<36} {tuple(shape)}")
-    rows = getattr(program, "collectives", [])
-    total = sum(r["bytes_per_token"] for r in rows)
-    lines.append(f"{len(rows)} collectives, {total:,} bytes per token in all:")
-    for r in rows:
-        layer = "-" if r["layer"] is None else r["layer"]
-        lines.append(f"  #{r['id']:<3} {r['op']:<10} layer {layer:<3} {r['block']:<9} after {r['role']:<10} "
-                     f"{r['dtype']:<8} {r['bytes_per_token']:>7,} B/token")
+        return "not sharded (run the sharding passes, e.g. through ssmshard.parallelize)"
+    lines = [f"rank {shard['rank']} of tp={shard['tp']} ({shard.get('policy', 'MegatronPolicy')})"]
+    if weights:
+        lines.append(f"{'weight':<58} {'placement':<36} local shape")
+        for fqn, spec in program.param_specs.items():
+            placement = spec.placement
+            shape = local_shape(spec.shape, placement) if placement is not None else spec.shape
+            lines.append(f"{fqn:<58} {str(placement):<36} {tuple(shape)}")
+    points = program.sync_points
+    kept = [p for p in points if p.action != "dropped"]
+    lines.append(f"{len(points)} sync points, {_bytes(_total(kept))} bytes per token in all "
+                 f"(each rank's operand){_actions(points)}:")
+    for i, p in enumerate(points):
+        layer = "-" if p.layer is None else p.layer
+        lines.append(f"  #{i:<3} {p.kind:<14} layer {layer:<3} {p.block:<9} after {p.role:<10} "
+                     f"{p.dtype:<8} {_bytes(p.bytes_per_token):>7} B/token  {p.name}"
+                     + ("" if p.action == "kept" else f"  [{p.action}]"))
+    if activations:
+        lines.append(f"{'node':<40} {'op':<28} {'layer':>5} {'block':<9} {'role':<12} {'placement':<24} local shape")
+        for node in program.graph.nodes:
+            if node.op != "call_function" or "placement" not in node.meta:
+                continue
+            tags = node.meta.get("ssmshard", {})
+            layer = "-" if tags.get("layer") is None else tags["layer"]
+            val = node.meta.get("val")
+            shape = tuple(val.shape) if isinstance(val, torch.Tensor) else ""
+            placement = node.meta["placement"]
+            shown = ",".join(map(str, placement)) if isinstance(placement, tuple) else str(placement)
+            lines.append(f"{node.name:<40} {op_name(node):<28} {layer:>5} {tags.get('block', ''):<9} "
+                         f"{tags.get('role', ''):<12} {shown:<24} {shape}")
     return "\n".join(lines)
+
+
+def _total(points):
+    sizes = [p.bytes_per_token for p in points]
+    return float("nan") if None in sizes else sum(sizes)
+
+
+def _actions(points) -> str:
+    counts = collections.Counter(p.action for p in points)
+    return "" if set(counts) <= {"kept"} else " (" + ", ".join(f"{n} {a}" for a, n in sorted(counts.items())) + ")"
+
+
+def _bytes(count) -> str:
+    return "unknown" if count is None or count != count else f"{count:,}"

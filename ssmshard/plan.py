@@ -110,6 +110,23 @@ class Plan:
             return SequenceParallelPolicy()
         return MegatronPolicy()
 
+    def pipeline(self, mode: str, *, placements, rank: int, group: str, kernels: str = "reference",
+                 input_placements=None) -> list:
+        """The pass steps that make rank ``rank``'s program of ``mode`` under this plan, in order:
+        the sharding passes (``propagate``, ``localize``, ``communicate``) with the plan's reduce
+        policy, then ``swap_kernels`` when ``kernels == "triton"`` (always last: it only
+        retargets SSM ops). ``runtime.pipeline.shard_program`` runs them; ``ssmshard inspect``
+        and the runtime both go through it."""
+        from .passes.shard import sharding_steps
+
+        options = {"placements": placements, "rank": rank, "tp": self.tp, "group": group,
+                   "training": self.training, "policy": self.policy_for(mode),
+                   "input_placements": input_placements or {}}
+        steps = sharding_steps(options)
+        if kernels == "triton":
+            steps.append(("swap_kernels", {"kernels": "triton"}))
+        return steps
+
     def kernel_choice(self, device: torch.device) -> str:
         """"triton" or "reference" for weights on ``device``; Triton needs CUDA tensors."""
         if self.kernels == "triton" and device.type != "cuda":

@@ -306,11 +306,12 @@ class Program:
 
         return summary_table(self)
 
-    def report(self) -> str:
-        """Sharding report: each weight's placement and local shape, then every collective."""
+    def report(self, *, activations: bool = False) -> str:
+        """Sharding report: each weight's placement and local shape, then every sync point
+        (with ``activations``, every op's placement too)."""
         from .inspect import sharding_report
 
-        return sharding_report(self)
+        return sharding_report(self, activations=activations)
 
     def block_graph(self):
         from .inspect import block_graph

@@ -55,16 +55,12 @@ def _page_data(page: str) -> dict:
 
 def test_each_rank_program_equals_a_fresh_capture_sharded_for_that_rank():
     """Copying one capture per rank gives what sharding a fresh capture gives (shared block included)."""
-    from ssmshard.passes import run_pipeline
-    from ssmshard.passes.shard import sharding_steps
+    from ssmshard.runtime.pipeline import shard_program
 
     model, _, programs = _rank_programs("zamba2", 2)
     plan = ssmshard.Plan(tp=2)
     for rank, copied in enumerate(programs):
-        fresh = ssmshard.capture(model, mode="forward")
-        options = {"placements": plan.layout(fresh, model), "rank": rank, "tp": 2, "group": "inspect",
-                   "training": False}
-        fresh = run_pipeline(fresh, sharding_steps(options))
+        fresh = shard_program(ssmshard.capture(model, mode="forward"), model, plan, rank=rank, group="inspect")
         assert copied.report() == fresh.report()
         assert copied.graph_module.code == fresh.graph_module.code
 

@@ -7,13 +7,13 @@
   docstring tables every op's forward, backward and gradient convention.
 """
 
-from .groups import (CollectiveBackend, ProcessGroupBackend, backend_of, declare_group_size, rank_of,
+from .groups import (CollectiveBackend, CollectiveError, ProcessGroupBackend, backend_of, declare_group_size, rank_of,
                      register_group, registered, resolve_group, unregister_group, world_of)
 from .ops import (all_gather, all_gather_partial_grad, all_reduce, all_to_all, broadcast, padded_chunk,
                   reduce, reduce_scatter, shift, split, tp_copy)
 from .simulated import SimulatedGroup, SimulatedGroupError, run_simulated
 
-__all__ = ["CollectiveBackend", "ProcessGroupBackend", "SimulatedGroup", "SimulatedGroupError", "all_gather",
+__all__ = ["CollectiveBackend", "CollectiveError", "ProcessGroupBackend", "SimulatedGroup", "SimulatedGroupError", "all_gather",
            "all_gather_partial_grad", "all_reduce", "all_to_all", "backend_of", "broadcast", "declare_group_size",
            "padded_chunk", "rank_of", "reduce", "reduce_scatter", "register_group", "registered", "resolve_group",
            "run_simulated", "shift", "split", "tp_copy", "unregister_group", "world_of"]

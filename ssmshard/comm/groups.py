@@ -69,9 +69,44 @@ class CollectiveBackend:
         raise NotImplementedError
 
 
+class CollectiveError(RuntimeError):
+    """A collective did not complete on this rank; the message names the rank, op and group."""
+
+
+def _timeout_seconds(pg) -> float | None:
+    """The timeout ``pg`` was created with, where this torch exposes it (a private attribute)."""
+    try:
+        device = torch.device("cuda" if dist.get_backend(pg) == "nccl" else "cpu")
+        return pg._get_backend(device).options._timeout.total_seconds()
+    except Exception:  # noqa: BLE001  (only used to word an error message)
+        return None
+
+
+def _named_failures(method):
+    """A failed collective re-raised as one that says which rank waited in what: the cause's
+    traceback shows only torch.distributed's frames, so its message is kept whole."""
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except RuntimeError as exc:
+            if isinstance(exc, CollectiveError):
+                raise
+            timeout = _timeout_seconds(self.process_group)
+            bound = f"the process group's timeout ({timeout:g} s)" if timeout else "the process group's timeout"
+            what = method.__name__.replace("_stacked", "")
+            raise CollectiveError(
+                f"rank {dist.get_rank()} waited in {what} over a process group of {self.world()} ranks and it "
+                f"failed. Another rank failed, left, or did not call this {what} (every rank must run the "
+                f"same collectives in the same order); a wait is bounded by {bound} "
+                f"(ssmshard.launch(timeout=...) or SSMSHARD_TIMEOUT).\n{type(exc).__name__}: {str(exc).strip()}"
+            ) from None
+    wrapper.__name__ = method.__name__
+    return wrapper
+
+
 class ProcessGroupBackend(CollectiveBackend):
     """Collectives of a ``torch.distributed`` ProcessGroup. Waits are bounded by the group's own
-    timeout (``init_process_group(timeout=...)``)."""
+    timeout (``init_process_group(timeout=...)``); a failed one raises :class:`CollectiveError`."""
 
     def __init__(self, process_group):
         self.process_group = process_group
@@ -82,32 +117,38 @@ class ProcessGroupBackend(CollectiveBackend):
     def world(self) -> int:
         return dist.get_world_size(self.process_group)
 
+    @_named_failures
     def all_reduce(self, x):
         out = x.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(out, group=self.process_group)
         return out
 
+    @_named_failures
     def all_gather_stacked(self, x):
         out = x.new_empty((self.world(), *x.shape))
         _all_gather_single(out.view(-1), x.contiguous().view(-1), group=self.process_group)
         return out
 
+    @_named_failures
     def reduce_scatter_stacked(self, stacked):
         out = stacked.new_empty(stacked.shape[1:])
         _reduce_scatter_single(out.view(-1), stacked.contiguous().view(-1), group=self.process_group)
         return out
 
+    @_named_failures
     def all_to_all_stacked(self, stacked):
         stacked = stacked.contiguous()
         out = torch.empty_like(stacked)
         dist.all_to_all_single(out, stacked, group=self.process_group)
         return out
 
+    @_named_failures
     def broadcast(self, x, src):
         out = x.clone(memory_format=torch.contiguous_format)
         dist.broadcast(out, group_src=src, group=self.process_group)
         return out
 
+    @_named_failures
     def reduce(self, x, dst):
         out = x.clone(memory_format=torch.contiguous_format)
         dist.reduce(out, group_dst=dst, group=self.process_group)
@@ -115,6 +156,7 @@ class ProcessGroupBackend(CollectiveBackend):
             out.zero_()  # NCCL leaves non-root buffers undefined
         return out
 
+    @_named_failures
     def shift(self, x, offset):
         rank, world = self.rank(), self.world()
         if offset % world == 0:

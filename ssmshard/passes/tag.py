@@ -57,10 +57,17 @@ def _is_layer_container(class_name: str) -> bool:
     return class_name.endswith(("Block", "DecoderLayer", "HybridLayer", "Layer"))
 
 
+# torch.export's marker for a node traced outside every module (the batch/sequence sizes it
+# reads off the inputs): such a node belongs to the model itself, not to a module of that name.
+_NO_MODULE = "_empty_nn_module_stack_from_metadata_hook"
+
+
 def _stack(node, prefix: str):
     """[(call path relative to the model, class name)], outermost first."""
     out = []
-    for path, type_name in (node.meta.get("nn_module_stack") or {}).values():
+    for key, (path, type_name) in (node.meta.get("nn_module_stack") or {}).items():
+        if key == _NO_MODULE:
+            continue
         if path == prefix.rstrip("."):
             path = ""
         elif prefix and path.startswith(prefix):

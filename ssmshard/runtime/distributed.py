@@ -13,11 +13,10 @@ from ..capture import capture
 from ..packing import PackedBatch
 from ..comm import all_reduce, register_group
 from ..families import build_meta_model
-from ..passes import run_pipeline
-from ..passes.shard import ShardingError, sharding_steps
-from ..placement import Shard, local_slice, same_data
+from ..placement import Shard, local_slice
 from ..plan import Plan, PlanError
 from .checkpoint import SafetensorsCheckpoint, match_checkpoint, read_local_weights
+from .pipeline import shard_program
 
 _group_ids = itertools.count()
 
@@ -117,7 +116,7 @@ class DistributedModule(torch.nn.Module):
         if self._generation is None:
             if self._model is None:
                 raise RuntimeError("this DistributedModule was built without its model; generation needs it")
-            prefill = _sharded(capture(self._model, mode="prefill"), self._model, self.plan, self._shard_options)
+            prefill = shard_program(capture(self._model, mode="prefill"), self._model, self.plan, **self._shard_options)
             self._generation = {"prefill": prefill, "decode": self._stateful_program("decode", prefill)}
         return self._bound(self._generation["prefill"]), self._bound(self._generation["decode"])
 
@@ -130,16 +129,8 @@ class DistributedModule(torch.nn.Module):
 
     def _stateful_program(self, mode, prefill):
         """A program taking the states as prefill places them, checked to return them alike."""
-        states = prefill.shard["outputs"][1:]
-        inputs = {3 + i: p for i, p in enumerate(states)}  # after input_ids, attention_mask, position_ids
-        program = _sharded(capture(self._model, mode=mode), self._model, self.plan,
-                           {**self._shard_options, "input_placements": inputs})
-        returned = program.shard["outputs"][1:]
-        for i, (given, back) in enumerate(zip(states, returned)):
-            if not same_data(given, back):
-                raise ShardingError(f"{mode} returns state {i} ({program.state_specs[i]}) as {back} "
-                                    f"but takes it as {given}")
-        return program
+        return shard_program(capture(self._model, mode=mode), self._model, self.plan, prefill=prefill,
+                             **self._shard_options)
 
     def _bound(self, program):
         """``program`` reading this module's current local weights, its factory ops on their device."""
@@ -289,12 +280,11 @@ def parallelize(model, plan: Plan, *, group=None, device_mesh=None, checkpoint=N
         nccl = dist.get_backend(group) == "nccl"
         device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     weights_device = device if source is not None else next(model.parameters()).device
-    options = {"rank": rank, "tp": plan.tp, "group": name, "training": plan.training,
-               "kernels": plan.kernel_choice(torch.device(weights_device))}
-    program = run_pipeline(program, _passes(plan, options, placements, program.mode))
+    options = {"rank": rank, "group": name, "kernels": plan.kernel_choice(torch.device(weights_device))}
+    program = shard_program(program, model, plan, placements=placements, **options)
     if packed_program is not None:
         # The same placements: both programs read one set of local weights.
-        packed_program = run_pipeline(packed_program, _passes(plan, options, placements, packed_program.mode))
+        packed_program = shard_program(packed_program, model, plan, placements=placements, **options)
     module = functools.partial(DistributedModule, plan=plan, rank=rank, model=model, shard_options=options,
                                packed_program=packed_program)
     if source is not None:
@@ -313,18 +303,6 @@ def parallelize(model, plan: Plan, *, group=None, device_mesh=None, checkpoint=N
 
 def _local_part(tensor, placement, rank):
     return local_slice(tensor, placement, rank) if isinstance(placement, Shard) else tensor
-
-
-def _passes(plan, options, placements, mode):
-    """The pass pipeline of every program of a DistributedModule."""
-    pipeline = sharding_steps({**options, "placements": placements, "policy": plan.policy_for(mode)})
-    if options["kernels"] == "triton":
-        pipeline.append(("swap_kernels", {"kernels": "triton"}))
-    return pipeline
-
-
-def _sharded(program, model, plan, options):
-    return run_pipeline(program, _passes(plan, options, plan.layout(program, model), program.mode))
 
 
 def _group_of(program):

@@ -20,25 +20,34 @@ from .program_data import program_data
 _ASSETS = resources.files(__package__)
 
 
-def sharded_programs(program, model, plan) -> list:
+def sharded_programs(program, model, plan, *, prefill=None) -> list:
     """Every rank's program of ``plan`` on the meta device: no process group, no weights.
 
-    ``program`` is copied for each rank (the ``shard`` pass rewrites the graph in place), and
-    the copy's tags are copied too, since a graph copy shares its nodes' meta dicts.
+    Built as the runtime builds them (``runtime.pipeline.shard_program``), from a copy of
+    ``program`` per rank (the passes rewrite the graph in place; the copy's tags are copied
+    too, since a graph copy shares its nodes' meta dicts). Decode and chunk programs need the
+    unsharded ``prefill`` program (each rank's states are placed as its prefill returns them).
     """
-    from ..passes import run_pipeline
-    from ..passes.shard import sharding_steps
+    from ..runtime.pipeline import shard_program
 
     placements = plan.layout(program, model)  # PlanError before any work
     programs = []
     for rank in range(plan.tp):
-        local = copy.deepcopy(program)
-        for node in local.graph.nodes:
-            if "ssmshard" in node.meta:
-                node.meta["ssmshard"] = dict(node.meta["ssmshard"])
-        options = {"placements": placements, "rank": rank, "tp": plan.tp, "group": "inspect", "training": False}
-        programs.append(run_pipeline(local, sharding_steps(options)))
+        rank_prefill = None
+        if prefill is not None:
+            rank_prefill = shard_program(_copy(prefill), model, plan, rank=rank, group="inspect")
+        programs.append(shard_program(_copy(program), model, plan, rank=rank, group="inspect",
+                                      placements=placements, prefill=rank_prefill))
     return programs
+
+
+def _copy(program):
+    local = copy.deepcopy(program)
+    for node in local.graph.nodes:
+        for key in ("ssmshard", "localize"):
+            if key in node.meta:
+                node.meta[key] = copy.copy(node.meta[key])
+    return local
 
 
 def render_html(programs, *, title: str | None = None) -> str:

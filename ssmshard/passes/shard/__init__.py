@@ -9,7 +9,7 @@ The placements stay on the graph (``node.meta["placement"]``) for later passes a
 """
 
 from .check import check_placements
-from .communicate import Collectives, SyncPoint, bytes_per_token
+from .communicate import Collectives, SyncPoint, bytes_per_token, token_symbols
 from .context import ShardingError, ShardOptions
 from .policy import MegatronPolicy, ReducePolicy, SequenceParallelPolicy
 from .propagate import output_placements
@@ -24,4 +24,4 @@ def sharding_steps(options: dict) -> list:
 
 
 __all__ = ["check_placements", "Collectives", "MegatronPolicy", "ReducePolicy", "SHARDING_PASSES", "SequenceParallelPolicy",
-           "ShardOptions", "ShardingError", "SyncPoint", "bytes_per_token", "output_placements", "sharding_steps"]
+           "ShardOptions", "ShardingError", "SyncPoint", "bytes_per_token", "output_placements", "sharding_steps", "token_symbols"]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import sympy
 import torch
 
 from ...placement import REPLICATE, Partial, Replicate, SeqShard, Shard
@@ -49,20 +50,31 @@ class SyncPoint:
     block: str
     role: str
     dtype: str
-    bytes_per_token: int  # payload per token of this rank's input
+    bytes_per_token: int | None  # payload per token of this rank's input (None: depends on a past length)
     action: str = "kept"  # kept | dropped | quantized (sync-point passes change it)
 
 
-def bytes_per_token(val) -> int:
-    """Bytes per token of an activation: the product of its static dims times the item size.
+def token_symbols(program) -> set:
+    """The symbols of the first user input's shape (``input_ids``: batch and sequence; decode:
+    batch; packed: the packed length)."""
+    first_user = next(i.name for i in program.inputs if i.kind == "user")
+    node = next(n for n in program.graph.nodes if n.op == "placeholder" and n.name == first_user)
+    return {sym for size in node.meta["val"].shape if isinstance(size, torch.SymInt)
+            for sym in size.node.expr.free_symbols}
 
-    Batch and sequence are the symbolic dims of a captured graph; every other dim is static.
-    """
-    numel = 1
-    for size in val.shape:
-        if isinstance(size, int):
-            numel *= size
-    return numel * val.dtype.itemsize
+
+def bytes_per_token(val, tokens: set) -> int | None:
+    """Bytes of ``val`` per token: its element count with the batch and sequence symbols set to
+    one, times the element size; None when the count depends on another symbol (a past length).
+    Not "the product of the static dims": a pass that fixes batch or sequence to the example
+    sizes would make those look per-token."""
+    def expr(size):
+        return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(size)
+
+    numel = sympy.Mul(*(expr(s) for s in val.shape)).subs({sym: 1 for sym in tokens})
+    if numel.free_symbols or not numel.is_integer:
+        return None
+    return int(numel) * val.dtype.itemsize
 
 
 class Collectives:
@@ -78,6 +90,7 @@ class Collectives:
         self._names: dict[str, int] = {}
         self._kinds = {i.name: i.kind for i in program.inputs}
         self._length = None
+        self._tokens = token_symbols(program)
 
     # ------------------------------------------------------------- primitives
     def call(self, op, value, *extra, placement, consumer=None):
@@ -169,7 +182,7 @@ class Collectives:
         val = node.args[0].meta["val"]
         point = SyncPoint(name=name, kind=kind, node=node.name, layer=layer, block=tags.get("block", "glue"),
                           role=role, dtype=str(val.dtype).replace("torch.", ""),
-                          bytes_per_token=bytes_per_token(val))
+                          bytes_per_token=bytes_per_token(val, self._tokens))
         node.meta["sync"] = point
         # In the tags too, where views and reports read a node's facts generically.
         node.meta["ssmshard"].update(sync=kind, sync_point=name, bytes_per_token=point.bytes_per_token)

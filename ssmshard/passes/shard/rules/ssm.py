@@ -128,7 +128,10 @@ def _gated_norm_across_ranks(cx, node, p):
         gated = new_node(g, aten.mul.Tensor, (y, act), node)
         square = new_node(g, aten.mul.Tensor, (gated, gated), node)
         partial = new_node(g, aten.sum.dim_IntList, (square, [-1], True), node)
-        slots = new_node(g, aten.constant_pad_nd.default, (partial, [0, n_groups - 1], 0.0), node)
+        # A cat of zero pieces, not constant_pad_nd: its fake kernel fixes batch and sequence
+        # to their example sizes in every later shape (bytes per token then come out 16x).
+        zero = new_node(g, aten.zeros_like.default, (partial,), node)
+        slots = new_node(g, aten.cat.default, ([partial] + [zero] * (n_groups - 1), -1), node)
         mine = new_node(g, aten.slice.Tensor, (slots, -1, 0, 1), node)
         var = new_node(g, aten.div.Tensor, (mine, float(group_size)), node)
         var_eps = new_node(g, aten.add.Tensor, (var, float(eps)), node)
@@ -138,11 +141,11 @@ def _gated_norm_across_ranks(cx, node, p):
 
     def place_slot(lcx, n):
         group = seg.offset(lcx.rank) // group_size
-        slots.args = (partial, [group, n_groups - group - 1], 0.0)
+        slots.args = ([zero] * group + [partial] + [zero] * (n_groups - group - 1), -1)
         mine.args = (slots, -1, group, group + 1)
     leave_for_localize(slots, place_slot)
     for n, placement in ((y, p), (gate32, p), (act, p), (gated, p), (square, p), (partial, PARTIAL),
-                         (slots, PARTIAL)):
+                         (zero, PARTIAL), (slots, PARTIAL)):
         n.meta["placement"] = placement
         n.meta["input_placements"] = {a.name: a.meta["placement"] if a not in (x, gate) else p
                                       for a in n.all_input_nodes}
