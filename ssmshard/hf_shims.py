@@ -87,7 +87,8 @@ class _ScanStateQueue:
     def next_for(self, u: torch.Tensor) -> torch.Tensor:
         if self.layer >= len(self.states):
             raise RuntimeError(f"a continued prefill traced more Mamba-1 scans than the {len(self.states)} "
-                               "recurrent states it was given: a capture bug, please report the model class")
+                               "recurrent states it was given: the family's scans_need_states declaration "
+                               "(ssmshard/families/) or capture is wrong; please report the model class")
         state = self.states[self.layer]
         if state.dim() == 4:  # Zamba: (b, heads, channels, N), one scan per head
             taken = state[:, self.head]
