@@ -128,11 +128,11 @@ class _Chunk(_Decode):
     state through ``hf_shims.continued_scans``.
     """
 
-    def __init__(self, model, cache_kwarg, template, mamba1_scans: bool, own_mask: bool):
+    def __init__(self, model, cache_kwarg, template, scans_need_states: bool, own_mask: bool):
         super().__init__(model, cache_kwarg, template)
         self.own_mask = own_mask
         slots = list(_state_slots(template))
-        self.ssm_slots = [i for i, (_, kind, _, _) in enumerate(slots) if kind == "ssm"] if mamba1_scans else []
+        self.ssm_slots = [i for i, (_, kind, _, _) in enumerate(slots) if kind == "ssm"] if scans_need_states else []
 
     def forward(self, input_ids, attention_mask, position_ids, states):
         cache = rebuild_cache(self.template, states)
@@ -147,10 +147,6 @@ class _Chunk(_Decode):
         with continued_scans(scanned):
             out = self.model(**inputs)
         return out.logits[:, -1:], *flatten_states(cache)
-
-
-# Families whose HF mixers run Mamba-1 scans without passing the recurrent state (see _Chunk).
-_MAMBA1_SCAN_FAMILIES = ("mamba", "falcon_mamba", "zamba")
 
 
 def _state_slots(cache):
@@ -382,7 +378,7 @@ def _capture_one(model, family, mode, example_batch, example_seq, packed=False, 
             if mode == "decode":
                 wrapper = _Decode(model, cache_kw, state_template)
             else:
-                wrapper = _Chunk(model, cache_kw, state_template, family.name in _MAMBA1_SCAN_FAMILIES,
+                wrapper = _Chunk(model, cache_kw, state_template, family.scans_need_states,
                                  own_mask=not family.has_attention)
             states, dynamic_states = [], []
             for tensor, (_, kind, _, _) in zip(flatten_states(state_template), _state_slots(state_template)):

@@ -10,6 +10,10 @@ The fused training entry points (``mamba_inner_fn``, ``mamba2_split_conv1d_scan_
 return ``None`` from HF's own fallback, which makes the mixer take its unfused path; the shims
 do the same, whatever kernel package happens to be installed.
 
+Each shim calls its op by the argument names of the op's declaration (``ops.signatures``),
+so the dispatcher rejects a name the declaration does not have, and a test checks that every
+shim passes every argument.
+
 Decode-step functions mutate their state argument in place in HF; the shims keep that
 contract (``state.copy_(new_state)``) and export's functionalisation turns it into a pure
 data flow.
@@ -83,7 +87,8 @@ class _ScanStateQueue:
     def next_for(self, u: torch.Tensor) -> torch.Tensor:
         if self.layer >= len(self.states):
             raise RuntimeError(f"a continued prefill traced more Mamba-1 scans than the {len(self.states)} "
-                               "recurrent states it was given: a capture bug, please report the model class")
+                               "recurrent states it was given: the family's scans_need_states declaration "
+                               "(ssmshard/families/) or capture is wrong; please report the model class")
         state = self.states[self.layer]
         if state.dim() == 4:  # Zamba: (b, heads, channels, N), one scan per head
             taken = state[:, self.head]
@@ -126,12 +131,13 @@ def _refuse_under_packing(what):
 
 def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
     cu_seqlens = _packed_cu_seqlens(kwargs, "causal_conv1d_fn")
-    return _ssm.causal_conv1d(hidden_states, weight, bias, activation, cu_seqlens)
+    return _ssm.causal_conv1d(x=hidden_states, weight=weight, bias=bias, activation=activation, cu_seqlens=cu_seqlens)
 
 
 def causal_conv1d_update(hidden_states, conv_state, weight, bias=None, activation=None, **kwargs):
     _refuse_under_packing("causal_conv1d_update")
-    out, new_state = _ssm.causal_conv1d_update(hidden_states, conv_state, weight, bias, activation)
+    out, new_state = _ssm.causal_conv1d_update(x=hidden_states, conv_state=conv_state, weight=weight, bias=bias,
+                                               activation=activation)
     conv_state.copy_(new_state)
     return out
 
@@ -141,16 +147,17 @@ def mamba_selective_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=
     cu_seqlens = _packed_cu_seqlens(kwargs, "selective_scan")
     queue = _CONTINUED_SCANS.get()
     initial_state = None if queue is None else queue.next_for(hidden_states)
-    out, last_state = _ssm.selective_scan(hidden_states, dt, A, B, C, D, z, delta_bias,
-                                          bool(delta_softplus), initial_state, cu_seqlens)
+    out, last_state = _ssm.selective_scan(u=hidden_states, delta=dt, A=A, B=B, C=C, D=D, z=z, delta_bias=delta_bias,
+                                          delta_softplus=bool(delta_softplus), initial_state=initial_state,
+                                          cu_seqlens=cu_seqlens)
     return (out, last_state) if return_last_state else out
 
 
 def selective_state_update(state, hidden_states, dt, A, B, C, D=None, dt_bias=None,
                            dt_softplus=False, z=None, **kwargs):
     _refuse_under_packing("selective_state_update")
-    out, new_state = _ssm.selective_state_update(state, hidden_states, dt, A, B, C, D, z, dt_bias,
-                                                 bool(dt_softplus))
+    out, new_state = _ssm.selective_state_update(state=state, x=hidden_states, dt=dt, A=A, B=B, C=C, D=D, z=z,
+                                                 dt_bias=dt_bias, dt_softplus=bool(dt_softplus))
     state.copy_(new_state)
     return out
 
@@ -162,8 +169,10 @@ def mamba2_chunk_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=No
     if kwargs.get("z") is not None:
         raise NotImplementedError("mamba2_chunk_scan with z is not used by any supported HF mixer")
     dt_min, dt_max = (float(v) for v in dt_limit)
-    out, final_states = _ssm.ssd_scan(hidden_states, dt, A, B, C, int(chunk_size), D, dt_bias,
-                                      initial_states, bool(dt_softplus), dt_min, dt_max, cu_seqlens)
+    out, final_states = _ssm.ssd_scan(x=hidden_states, dt=dt, A=A, B=B, C=C, chunk_size=int(chunk_size), D=D,
+                                      dt_bias=dt_bias, initial_states=initial_states,
+                                      dt_softplus=bool(dt_softplus), dt_min=dt_min, dt_max=dt_max,
+                                      cu_seqlens=cu_seqlens)
     return (out, final_states) if return_final_states else out
 
 
@@ -192,7 +201,8 @@ def gated_rms_norm_forward(self, hidden_states, gate=None):
     width, which is the same op with one group.
     """
     group_size = getattr(self, "group_size", None) or hidden_states.shape[-1]
-    return _ssm.gated_rms_norm(hidden_states, gate, self.weight, float(self.variance_epsilon), int(group_size))
+    return _ssm.gated_rms_norm(x=hidden_states, gate=gate, weight=self.weight, eps=float(self.variance_epsilon),
+                               group_size=int(group_size))
 
 
 @contextlib.contextmanager

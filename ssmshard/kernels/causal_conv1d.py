@@ -719,16 +719,9 @@ class _CausalConv1dFunction(torch.autograd.Function):
                 dbias if needs[2] else None, dinit if needs[3] else None, None, None, None)
 
 
-def causal_conv1d(
-    x: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor] = None,
-    activation: Optional[str] = None,
-    *,
-    cu_seqlens: Optional[Tensor] = None,
-    initial_states: Optional[Tensor] = None,
-    return_final_states: bool = False,
-):
+def causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: Optional[str] = None, *,
+                  cu_seqlens: Optional[Tensor] = None, initial_states: Optional[Tensor] = None,
+                  return_final_states: bool = False):
     """Depthwise causal conv1d, differentiable (Triton forward and backward).
 
     x: (b, d, l), any strides (channels-contiguous views are read in place); weight (d, k);
@@ -744,15 +737,9 @@ def causal_conv1d(
     )
 
 
-def causal_conv1d_update(
-    x: Tensor,
-    conv_state: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor] = None,
-    activation: Optional[str] = None,
-    *,
-    out_state: Optional[Tensor] = None,
-) -> tuple[Tensor, Tensor]:
+def causal_conv1d_update(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
+                         activation: Optional[str] = None, *,
+                         out_state: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Decode step: the conv of l new tokens (x: (b, d, l) or (b, d)) after ``conv_state``
     (b, d, s), s >= k - 1, the last s inputs. Returns (out like x, new_state); the new state
     is written to ``out_state`` when given (``out_state=conv_state`` updates in place, for

@@ -1,6 +1,8 @@
 """Pure-torch reference implementations of the state-space-model kernels.
 
-Every function is vectorised over tokens: the only Python loops run over
+Each op's function takes the op's arguments in the order ``ssmshard.ops.signatures`` declares
+them (tests/test_op_signatures.py checks it); parameters after those are options of the
+reference alone. Every function is vectorised over tokens: the only Python loops run over
 chunks of the sequence, never over single time steps. Scans compute in
 float32 whatever the input dtype, because the eager fallbacks these ops
 replace do the same and their outputs are float32.
@@ -81,20 +83,11 @@ def _auto_scan_chunk(elements_per_step: int) -> int:
     return max(_SCAN_CHUNK_MIN, min(_SCAN_CHUNK_MAX, t))
 
 
-def selective_scan(
-    u: Tensor,
-    delta: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    D: Optional[Tensor] = None,
-    z: Optional[Tensor] = None,
-    delta_bias: Optional[Tensor] = None,
-    delta_softplus: bool = False,
-    initial_state: Optional[Tensor] = None,
-    cu_seqlens: Optional[Tensor] = None,
-    chunk_size: Optional[int] = None,
-) -> tuple[Tensor, Tensor]:
+def selective_scan(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor] = None,
+                   z: Optional[Tensor] = None, delta_bias: Optional[Tensor] = None,
+                   delta_softplus: bool = False, initial_state: Optional[Tensor] = None,
+                   cu_seqlens: Optional[Tensor] = None,
+                   chunk_size: Optional[int] = None) -> tuple[Tensor, Tensor]:
     """Mamba-1 selective scan (layouts of mamba_ssm's ``selective_scan_fn``).
 
     u, delta, z: (b, d, l); A: (d, n); B, C: (b, n, l) or (b, g, n, l);
@@ -176,21 +169,10 @@ def selective_scan(
     return y.contiguous(), state.reshape(bsz, d, n).contiguous()
 
 
-def ssd_scan(
-    x: Tensor,
-    dt: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    chunk_size: int,
-    D: Optional[Tensor] = None,
-    dt_bias: Optional[Tensor] = None,
-    initial_states: Optional[Tensor] = None,
-    dt_softplus: bool = False,
-    dt_min: float = 0.0,
-    dt_max: float = math.inf,
-    cu_seqlens: Optional[Tensor] = None,
-) -> tuple[Tensor, Tensor]:
+def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int,
+             D: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None,
+             initial_states: Optional[Tensor] = None, dt_softplus: bool = False, dt_min: float = 0.0,
+             dt_max: float = math.inf, cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Mamba-2 SSD scan (layouts of mamba_ssm's ``mamba_chunk_scan_combined``).
 
     x: (b, l, h, p); dt: (b, l, h); A: (h,); B, C: (b, l, g, n);
@@ -290,13 +272,8 @@ def _depthwise_conv(window: Tensor, weight: Tensor, bias: Optional[Tensor], padd
     return F.conv1d(window.to(weight.dtype), w, b, padding=padding, groups=d)
 
 
-def causal_conv1d(
-    x: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor] = None,
-    activation: Optional[str] = None,
-    cu_seqlens: Optional[Tensor] = None,
-) -> Tensor:
+def causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: Optional[str] = None,
+                  cu_seqlens: Optional[Tensor] = None) -> Tensor:
     """Depthwise causal conv. x: (b, d, l); weight: (d, k); bias: (d,); cu_seqlens: (S+1,) or None.
 
     Computed in weight's dtype (like an nn.Conv1d layer); returned in x's dtype. With
@@ -338,13 +315,8 @@ def _packed_sequence_ids(cu_seqlens: Optional[Tensor], batch: int, length: int,
     return sequence_ids(cu_seqlens, length)
 
 
-def causal_conv1d_update(
-    x: Tensor,
-    conv_state: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor] = None,
-    activation: Optional[str] = None,
-) -> tuple[Tensor, Tensor]:
+def causal_conv1d_update(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
+                         activation: Optional[str] = None) -> tuple[Tensor, Tensor]:
     """Continue a causal conv from its cached inputs.
 
     x: (b, d, l); conv_state: (b, d, s) with s >= k - 1, the last s inputs seen.
@@ -364,18 +336,10 @@ def causal_conv1d_update(
     return _activate(y, activation).to(x.dtype).contiguous(), new_state.contiguous()
 
 
-def selective_state_update(
-    state: Tensor,
-    x: Tensor,
-    dt: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    D: Optional[Tensor] = None,
-    z: Optional[Tensor] = None,
-    dt_bias: Optional[Tensor] = None,
-    dt_softplus: bool = False,
-) -> tuple[Tensor, Tensor]:
+def selective_state_update(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+                           D: Optional[Tensor] = None, z: Optional[Tensor] = None,
+                           dt_bias: Optional[Tensor] = None,
+                           dt_softplus: bool = False) -> tuple[Tensor, Tensor]:
     """One recurrent decode step (layouts of mamba_ssm's ``selective_state_update``).
 
     Mamba-2: state (b, h, p, n); x, dt, z (b, h, p); A (h, p, n);

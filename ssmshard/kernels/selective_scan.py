@@ -604,23 +604,11 @@ def _backward(u, delta, A, B32, C32, bc_like, D, z, delta_bias, initial_state, s
 # --- public functions ------------------------------------------------------------------------
 
 
-def selective_scan(
-    u: Tensor,
-    delta: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    D: Optional[Tensor] = None,
-    z: Optional[Tensor] = None,
-    delta_bias: Optional[Tensor] = None,
-    delta_softplus: bool = False,
-    *,
-    cu_seqlens: Optional[Tensor] = None,
-    initial_state: Optional[Tensor] = None,
-    return_final_state: bool = False,
-    out_dtype: Optional[torch.dtype] = None,
-    config: Optional[ScanConfig] = None,
-):
+def selective_scan(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor] = None,
+                   z: Optional[Tensor] = None, delta_bias: Optional[Tensor] = None,
+                   delta_softplus: bool = False, *, cu_seqlens: Optional[Tensor] = None,
+                   initial_state: Optional[Tensor] = None, return_final_state: bool = False,
+                   out_dtype: Optional[torch.dtype] = None, config: Optional[ScanConfig] = None):
     """Mamba-1 selective scan on Triton kernels (layouts of mamba_ssm's ``selective_scan_fn``).
 
     u, delta, z: (b, d, l), any float dtype; A: (d, n) real; B, C: (b, n, l) or (b, g, n, l)

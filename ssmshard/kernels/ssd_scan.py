@@ -165,24 +165,11 @@ def _validate(x, dt, A, B, C, chunk_size, D, z, dt_bias, cu_seqlens, initial_sta
            RuntimeError)
 
 
-def ssd_scan(
-    x: Tensor,
-    dt: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    chunk_size: int,
-    D: Optional[Tensor] = None,
-    z: Optional[Tensor] = None,
-    dt_bias: Optional[Tensor] = None,
-    dt_softplus: bool = False,
-    dt_limit: tuple[float, float] = (0.0, float("inf")),
-    *,
-    cu_seqlens: Optional[Tensor] = None,
-    initial_states: Optional[Tensor] = None,
-    return_final_states: bool = False,
-    out_dtype: Optional[torch.dtype] = None,
-):
+def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int,
+             D: Optional[Tensor] = None, z: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None,
+             dt_softplus: bool = False, dt_limit: tuple[float, float] = (0.0, float("inf")), *,
+             cu_seqlens: Optional[Tensor] = None, initial_states: Optional[Tensor] = None,
+             return_final_states: bool = False, out_dtype: Optional[torch.dtype] = None):
     """Mamba-2 SSD scan. Returns out (b, l, h, p), and final states if asked.
 
     x: (b, l, h, p); dt: (b, l, h); A: (h,); B, C: (b, l, g, n); D: (h,) or (h, p);

@@ -97,20 +97,10 @@ def _as_heads(state, x, dt, A, B, C, D, z, dt_bias):
             split(z, 1), split(dt_bias, 0))
 
 
-def selective_state_update(
-    state: Tensor,
-    x: Tensor,
-    dt: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    D: Optional[Tensor] = None,
-    z: Optional[Tensor] = None,
-    dt_bias: Optional[Tensor] = None,
-    dt_softplus: bool = False,
-    *,
-    out_state: Optional[Tensor] = None,
-) -> tuple[Tensor, Tensor]:
+def selective_state_update(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+                           D: Optional[Tensor] = None, z: Optional[Tensor] = None,
+                           dt_bias: Optional[Tensor] = None, dt_softplus: bool = False, *,
+                           out_state: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """One decode step (layouts of mamba_ssm's ``selective_state_update``).
 
     Mamba-2: state (b, h, p, n); x, dt, z (b, h, p) (dt may be a stride-0 view of per-head

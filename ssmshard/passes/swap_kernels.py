@@ -20,6 +20,7 @@ import warnings
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from ..ops import SIGNATURES
 from ..program import op_name
 from .manager import register
 
@@ -31,70 +32,69 @@ def _on_gpu(t) -> bool:
 
 
 # ----------------------------------------------------------------------------- adapters
-# Module-level functions: FX code generation imports graph call targets by qualified name.
-def ssd_scan_kernel(x, dt, A, B, C, chunk_size, D, dt_bias, initial_states, dt_softplus, dt_min, dt_max,
-                    cu_seqlens=None):
-    if not _on_gpu(x):
-        return ssm.ssd_scan(x, dt, A, B, C, chunk_size, D, dt_bias, initial_states, dt_softplus, dt_min, dt_max,
-                            cu_seqlens)
-    from ..kernels.ssd_scan import ssd_scan
-
-    out, final = ssd_scan(x, dt, A, B, C, int(chunk_size), D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
-                          dt_limit=(dt_min, dt_max), initial_states=initial_states, cu_seqlens=cu_seqlens,
-                          return_final_states=True, out_dtype=torch.float32)
-    # The op's contract: with packed sequences the final state is the last sequence's.
-    return out, (final[-1:] if cu_seqlens is not None else final)
+def _last_sequence(final, cu_seqlens):
+    """The op's contract: with packed sequences the final state is the last sequence's."""
+    return final[-1:] if cu_seqlens is not None else final
 
 
-def causal_conv1d_kernel(x, weight, bias, activation, cu_seqlens=None):
-    if not _on_gpu(x):
-        return ssm.causal_conv1d(x, weight, bias, activation, cu_seqlens)
-    from ..kernels.causal_conv1d import causal_conv1d
-
-    return causal_conv1d(x, weight, bias, activation, cu_seqlens=cu_seqlens)
+def _call_selective_scan(kernel, a):
+    y, final = kernel(**a, return_final_state=True, out_dtype=torch.float32)
+    return y, _last_sequence(final, a["cu_seqlens"])
 
 
-def causal_conv1d_update_kernel(x, conv_state, weight, bias, activation):
-    if not _on_gpu(x) or torch.is_grad_enabled():
-        return ssm.causal_conv1d_update(x, conv_state, weight, bias, activation)
-    from ..kernels.causal_conv1d import causal_conv1d_update
-
-    return causal_conv1d_update(x, conv_state, weight, bias, activation)
+def _call_ssd_scan(kernel, a):
+    dt_limit = (a.pop("dt_min"), a.pop("dt_max"))
+    out, final = kernel(**a, dt_limit=dt_limit, return_final_states=True, out_dtype=torch.float32)
+    return out, _last_sequence(final, a["cu_seqlens"])
 
 
-def selective_scan_kernel(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, cu_seqlens=None):
-    if not _on_gpu(u):
-        return ssm.selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, cu_seqlens)
-    from ..kernels.selective_scan import selective_scan
-
-    y, final = selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, cu_seqlens=cu_seqlens,
-                              initial_state=initial_state, return_final_state=True, out_dtype=torch.float32)
-    return y, (final[-1:] if cu_seqlens is not None else final)
+def _call_by_name(kernel, a):
+    return kernel(**a)
 
 
-def selective_state_update_kernel(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
-    if not _on_gpu(x) or torch.is_grad_enabled():
-        return ssm.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
-    from ..kernels.state_update import selective_state_update
+def _adapter(name: str, module: str, call, inference_only: bool):
+    """The graph target replacing ``ssmshard.<name>`` nodes. It takes the op's own arguments (its
+    declared schema) and hands them by name, through ``call``, to the Triton function of the same
+    name in ``module`` on CUDA tensors; to the reference op elsewhere, and under grad mode when
+    the kernel is ``inference_only`` (no backward).
 
-    return selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
+    The adapter is bound to a module-level name (``<name>_kernel``): FX code generation
+    imports graph call targets by qualified name.
+    """
+    signature, op = SIGNATURES[name], getattr(ssm, name)
+
+    def adapter(*args, **kwargs):
+        bound = signature.bind(args, kwargs)
+        if not _on_gpu(bound[signature.names[0]]) or (inference_only and torch.is_grad_enabled()):
+            return op(*args, **kwargs)
+        return call(getattr(importlib.import_module(module), name), bound)
+
+    adapter.__name__ = adapter.__qualname__ = f"{name}_kernel"
+    adapter.__doc__ = f"``ssmshard.{name}`` on its Triton kernel (CUDA tensors) or the reference op."
+    globals()[adapter.__name__] = adapter
+    return adapter
 
 
 def _ssd_limits(node):
-    x, B = node.args[0].meta["val"], node.args[3].meta["val"]
+    a = SIGNATURES["ssd_scan"].bind(node.args, node.kwargs)
+    x, B = a["x"].meta["val"], a["B"].meta["val"]
     if x.shape[-1] > 128 or B.shape[-1] > 256:
         return f"head dim {x.shape[-1]} > 128 or state size {B.shape[-1]} > 256 (kernel limits)"
     return None
 
 
-# op -> (adapter, module the kernel lives in, static check returning why it cannot serve a node)
-KERNELS = {
-    ssm.ssd_scan.default: (ssd_scan_kernel, "ssmshard.kernels.ssd_scan", _ssd_limits),
-    ssm.causal_conv1d.default: (causal_conv1d_kernel, "ssmshard.kernels.causal_conv1d", None),
-    ssm.causal_conv1d_update.default: (causal_conv1d_update_kernel, "ssmshard.kernels.causal_conv1d", None),
-    ssm.selective_scan.default: (selective_scan_kernel, "ssmshard.kernels.selective_scan", None),
-    ssm.selective_state_update.default: (selective_state_update_kernel, "ssmshard.kernels.state_update", None),
-}
+# Op (and Triton function) name, the kernel's module, how the adapter calls it, whether the
+# kernel is inference-only, and a static check returning why it cannot serve a node.
+_TRITON = [
+    ("selective_scan", "ssmshard.kernels.selective_scan", _call_selective_scan, False, None),
+    ("ssd_scan", "ssmshard.kernels.ssd_scan", _call_ssd_scan, False, _ssd_limits),
+    ("causal_conv1d", "ssmshard.kernels.causal_conv1d", _call_by_name, False, None),
+    ("causal_conv1d_update", "ssmshard.kernels.causal_conv1d", _call_by_name, True, None),
+    ("selective_state_update", "ssmshard.kernels.state_update", _call_by_name, True, None),
+]
+# op -> (adapter, module the kernel lives in, static check)
+KERNELS = {getattr(ssm, name).default: (_adapter(name, module, call, inference_only), module, check)
+           for name, module, call, inference_only, check in _TRITON}
 # Ops that are not kernels' business (collectives, norms handled by torch).
 _NOT_KERNELS = {"all_reduce", "tp_copy", "all_gather", "gated_rms_norm"}
 

@@ -12,34 +12,35 @@ import re
 
 import torch
 
+from ..families.family import TagHints
 from ..program import op_name
 from .manager import register
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
-# Attribute name of a module on the call path -> role of the nodes inside it.
+# Hugging Face's shared naming; a family adds or overrides names in its ``TagHints``
+# (``families/<name>.py``). Attribute name of a module on the call path -> role of the nodes inside it.
 _ROLE_BY_ATTR = {
-    "in_proj": "in_proj", "conv1d": "conv", "x_proj": "x_proj", "dt_proj": "dt_proj",
-    "out_proj": "out_proj", "q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj",
-    "o_proj": "o_proj", "gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj",
-    "gate_up_proj": "gate_up_proj", "embeddings": "embed", "embed_tokens": "embed",
-    "lm_head": "lm_head", "rotary_emb": "rope", "linear": "hybrid_linear",
-    "dt_layernorm": "dt_norm", "b_layernorm": "b_norm", "c_layernorm": "c_norm",
-    "linear_q_adapter_list": "q_adapter", "linear_k_adapter_list": "k_adapter",
-    "linear_v_adapter_list": "v_adapter", "gate_up_proj_adapter_list": "gate_up_adapter",
+    "in_proj": "in_proj", "conv1d": "conv", "out_proj": "out_proj", "q_proj": "q_proj", "k_proj": "k_proj",
+    "v_proj": "v_proj", "o_proj": "o_proj", "gate_proj": "gate_proj", "up_proj": "up_proj",
+    "down_proj": "down_proj", "embeddings": "embed", "embed_tokens": "embed", "lm_head": "lm_head",
+    "rotary_emb": "rope", "norm": "norm", "input_layernorm": "norm", "post_attention_layernorm": "norm",
 }
 # Parameters that sit directly on a mixer, by their own name.
-_ROLE_BY_PARAM = {"A_log": "A_log", "D": "D", "dt_bias": "dt_bias", "x_proj_weight": "x_proj",
-                  "dt_proj_weight": "dt_proj", "dt_proj_bias": "dt_proj"}
+_ROLE_BY_PARAM = {"A_log": "A_log", "D": "D"}
 _ROLE_BY_OP = {"ssmshard.selective_scan": "scan", "ssmshard.ssd_scan": "scan",
                "ssmshard.selective_state_update": "scan", "ssmshard.causal_conv1d": "conv",
                "ssmshard.causal_conv1d_update": "conv"}
 _SUBBLOCKS = ("mamba1", "mamba2", "attention", "mlp")
 
 
-def block_of_class(class_name: str) -> str | None:
-    """Block kind of a module class, or None for containers (layers, models)."""
-    if "Mixer" in class_name:
-        return "mamba2" if ("Mamba2" in class_name or class_name.startswith(("Zamba2", "Bamba"))) else "mamba1"
+def block_of_class(class_name: str, hints: TagHints = TagHints()) -> str | None:
+    """Block kind of a module class, or None for containers (layers, models).
+
+    The family's hints name its SSM mixers (and any class the rules below would get wrong);
+    the rules cover Hugging Face's shared naming of the other blocks.
+    """
+    if class_name in hints.blocks:
+        return hints.blocks[class_name]
     if "Attention" in class_name and not class_name.endswith(("Layer", "Block")):
         return "attention"
     if "RotaryEmbedding" in class_name:
@@ -76,36 +77,35 @@ def _stack(node, prefix: str):
     return out
 
 
-def _role_from_path(path: str, block: str | None) -> str | None:
+def _role_from_path(path: str, block: str | None, hints: TagHints) -> str | None:
     parts = path.split(".") if path else []
     for part in reversed(parts):
-        if part in _ROLE_BY_ATTR:
-            return _ROLE_BY_ATTR[part]
-        if part in ("norm", "norm_f", "final_layernorm", "input_layernorm", "pre_ff_layernorm",
-                    "post_attention_layernorm"):
-            return "gate_norm" if block == "mamba2" and part == "norm" else "norm"
+        role = hints.block_roles.get((block, part)) or hints.roles.get(part) or _ROLE_BY_ATTR.get(part)
+        if role:
+            return role
     return None
 
 
-def tag_node(node, program, prefix: str = "model.") -> dict:
+def tag_node(node, program, prefix: str = "model.", hints: TagHints | None = None) -> dict:
+    hints = _hints(program) if hints is None else hints
     stack = _stack(node, prefix)
     call_site = stack[-1][0] if stack else ""
     block = None
     for _, class_name in stack:  # the outermost sub-block wins: a gated norm belongs to its mixer
-        kind = block_of_class(class_name)
+        kind = block_of_class(class_name, hints)
         if kind in _SUBBLOCKS:
             block = kind
             break
     if block is None:
         for path, class_name in reversed(stack):
-            kind = block_of_class(class_name)
+            kind = block_of_class(class_name, hints)
             if kind is not None:
                 block = kind
                 break
             if path.split(".")[-1] == "lm_head":
                 block = "head"
                 break
-    role = _ROLE_BY_OP.get(op_name(node)) or _role_from_path(call_site, block)
+    role = _ROLE_BY_OP.get(op_name(node)) or _role_from_path(call_site, block, hints)
     innermost_class = stack[-1][1] if stack else ""
     if role is None:
         if node.target in (torch.ops.aten.add.Tensor,) and _is_layer_container(innermost_class):
@@ -126,23 +126,30 @@ def tag_node(node, program, prefix: str = "model.") -> dict:
     }
 
 
-def _param_role(fqn: str) -> str:
+def _param_role(fqn: str, hints: TagHints) -> str:
     module_path, _, leaf = fqn.rpartition(".")
-    if leaf in _ROLE_BY_PARAM:
-        return _ROLE_BY_PARAM[leaf]
-    return _role_from_path(module_path, None) or leaf
+    role = hints.param_roles.get(leaf) or _ROLE_BY_PARAM.get(leaf)
+    return role or _role_from_path(module_path, None, hints) or leaf
+
+
+def _hints(program) -> TagHints:
+    """The tag hints of the program's family (none for a program of no family)."""
+    from ..families import family_named
+
+    return TagHints() if program.family is None else family_named(program.family).tag_hints
 
 
 @register("tag", analysis_only=True)
 def tag(program, ctx):
     """Tag every call_function node (in graph order, so residual adds see their producers)."""
+    hints = _hints(program)
     for spec in program.param_specs.values():
-        spec.role = _param_role(spec.fqn)
+        spec.role = _param_role(spec.fqn, hints)
     weight_role = {i.name: program.param_specs[i.target].role for i in program.inputs if i.kind != "user"}
     for node in program.graph.nodes:
         if node.op != "call_function":
             continue
-        tags = tag_node(node, program)
+        tags = tag_node(node, program, hints=hints)
         if tags["role"] == "body":
             # Weights used without calling their module (``self.dt_proj.weight @ x``, ``A_log``,
             # Zamba's ``x_proj_weight[:, None] @ x``) still name the computation.

@@ -1,0 +1,100 @@
+"""The one declaration of each ``torch.ops.ssmshard`` state-space-model op's arguments.
+
+Everything that handles an op's arguments takes them from this table: the registration and
+the fake (``ops.ssm``), the Triton adapters (``passes.swap_kernels``) and the sharding rules
+(``bound_args`` reads the registered schema). The functions that implement an op or feed it
+name the same arguments (the reference in ``kernels.reference``, the Triton entry points, the
+Hugging Face shims); tests/test_op_signatures.py checks each of them against this table.
+
+The schemas are part of every captured graph, the sharding rules and the kernels: change one
+only together with all of those.
+
+Dimension letters: b batch, l length, d channels, n state size, g groups, h heads, p head
+dim, k conv width, s conv state length, S packed sequences.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+NAMESPACE = "ssmshard"
+
+
+@dataclasses.dataclass(frozen=True)
+class OpSignature:
+    name: str  # the op is torch.ops.ssmshard.<name>
+    schema: str  # "(arguments) -> returns", torch.library's schema language
+    doc: str  # shapes and meaning, in the dimension letters above
+
+    @property
+    def qualname(self) -> str:
+        return f"{NAMESPACE}::{self.name}"
+
+    @functools.cached_property
+    def arguments(self) -> tuple:
+        """The parsed arguments (``torch._C.Argument``: name, type, default), in order."""
+        return tuple(torch._C.parse_schema(self.qualname + self.schema).arguments)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.arguments)
+
+    def bind(self, args, kwargs) -> dict:
+        """``{argument name: value}`` of one call, schema defaults filled in."""
+        if len(args) > len(self.arguments):
+            raise TypeError(f"{self.qualname} takes {len(self.arguments)} arguments, got {len(args)}")
+        values = dict(zip(self.names, args))
+        unknown = set(kwargs) - set(self.names[len(args):])
+        if unknown:
+            raise TypeError(f"{self.qualname} got unexpected or repeated arguments {sorted(unknown)}")
+        for arg in self.arguments[len(args):]:
+            if arg.name in kwargs:
+                values[arg.name] = kwargs[arg.name]
+            elif arg.has_default_value():
+                values[arg.name] = arg.default_value
+            else:
+                raise TypeError(f"{self.qualname} is missing argument {arg.name!r}")
+        return values
+
+
+SIGNATURES: dict[str, OpSignature] = {s.name: s for s in [
+    OpSignature(
+        "selective_scan",
+        "(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? z, Tensor? delta_bias, "
+        "bool delta_softplus, Tensor? initial_state, Tensor? cu_seqlens=None) -> (Tensor, Tensor)",
+        "Mamba-1 scan. u, delta, z: (b, d, l); A: (d, n); B, C: (b, n, l) or (b, g, n, l); D, delta_bias: "
+        "(d,); initial_state: (b, d, n). Returns out (b, d, l) and the final state (b, d, n), float32."),
+    OpSignature(
+        "ssd_scan",
+        "(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, SymInt chunk_size, Tensor? D, Tensor? dt_bias, "
+        "Tensor? initial_states, bool dt_softplus, float dt_min, float dt_max, Tensor? cu_seqlens=None) "
+        "-> (Tensor, Tensor)",
+        "Mamba-2 SSD scan. x: (b, l, h, p); dt: (b, l, h); A: (h,); B, C: (b, l, g, n); D: (h,) or (h, p); "
+        "dt_bias: (h,); initial_states: (b, h, p, n); dt clamped to [dt_min, dt_max]. Returns out "
+        "(b, l, h, p) and the final states (b, h, p, n), float32."),
+    OpSignature(
+        "causal_conv1d",
+        "(Tensor x, Tensor weight, Tensor? bias, str? activation, Tensor? cu_seqlens=None) -> Tensor",
+        "Depthwise causal conv. x: (b, d, l); weight: (d, k); bias: (d,); activation None, 'silu' or "
+        "'swish'. Returns (b, d, l) in x's dtype."),
+    OpSignature(
+        "causal_conv1d_update",
+        "(Tensor x, Tensor conv_state, Tensor weight, Tensor? bias, str? activation) -> (Tensor, Tensor)",
+        "Conv decode step. x: (b, d, l) new inputs; conv_state: (b, d, s), the last s inputs. Returns "
+        "out (b, d, l) and the new state (b, d, s)."),
+    OpSignature(
+        "selective_state_update",
+        "(Tensor state, Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? z, "
+        "Tensor? dt_bias, bool dt_softplus) -> (Tensor, Tensor)",
+        "One recurrent decode step. Mamba-2: state (b, h, p, n); x, dt, z (b, h, p); A (h, p, n); B, C "
+        "(b, g, n); D, dt_bias (h, p). Mamba-1: state (b, d, n); x, dt, z (b, d); A (d, n); B, C (b, n); "
+        "D, dt_bias (d,). Returns out (like x) and the new state (like state)."),
+    OpSignature(
+        "gated_rms_norm",
+        "(Tensor x, Tensor? gate, Tensor weight, float eps, SymInt group_size) -> Tensor",
+        "Mamba-2's gated RMSNorm: x * silu(gate) normalised over groups of group_size channels, times "
+        "weight. x, gate: (..., d); weight: (d,)."),
+]}

@@ -1,0 +1,139 @@
+"""Registration of the ``torch.ops.ssmshard`` state-space-model ops, from ``signatures``.
+
+Each op is opaque to tracing (torch.export / torch.compile see one node), has a fake
+implementation for shape propagation, and is differentiable. All ops are functional: nothing
+is mutated, caches are returned as new tensors. The eager implementation is the reference in
+``kernels.reference``; the arguments of every op are declared once, in ``signatures``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from ssmshard.kernels import reference as ref
+from ssmshard.packing import check_cu_seqlens_layout
+
+from .signatures import SIGNATURES
+
+
+def cu_seqlens_arg(node):
+    """The ``cu_seqlens`` argument of a graph node calling a packing-aware op (an FX node or None)."""
+    name = node.target._schema.name.split("::")[-1]
+    return SIGNATURES[name].bind(node.args, node.kwargs)["cu_seqlens"]
+
+
+def _register_autograd_by_recompute(op, fn: Callable) -> None:
+    """Differentiate ``op`` by re-running its eager implementation ``fn``.
+
+    Forward keeps only the inputs; backward replays ``fn`` under grad mode on
+    detached copies and lets autograd differentiate the reference. This trades
+    a second forward for not having to hand-write five backward passes.
+    """
+
+    def setup_context(ctx, inputs, output):
+        is_tensor = [isinstance(a, Tensor) for a in inputs]
+        ctx.save_for_backward(*(a if t else None for a, t in zip(inputs, is_tensor)))
+        ctx.non_tensors = [None if t else a for a, t in zip(inputs, is_tensor)]
+
+    def backward(ctx, *grads):
+        saved = ctx.saved_tensors
+        args = [t if t is not None else a for t, a in zip(saved, ctx.non_tensors)]
+        wanted = [
+            i
+            for i, a in enumerate(args)
+            if isinstance(a, Tensor) and ctx.needs_input_grad[i] and a.is_floating_point()
+        ]
+        result: list[Optional[Tensor]] = [None] * len(args)
+        if not wanted:
+            return tuple(result)
+        with torch.enable_grad():
+            for i in wanted:
+                args[i] = args[i].detach().requires_grad_(True)
+            outs = fn(*args)
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            # Outputs nobody used come back with grad None: leave them out.
+            used = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+            if not used:
+                return tuple(result)
+            input_grads = torch.autograd.grad(
+                [o for o, _ in used],
+                [args[i] for i in wanted],
+                [g for _, g in used],
+                allow_unused=True,
+            )
+        for i, g in zip(wanted, input_grads):
+            result[i] = g
+        return tuple(result)
+
+    op.register_autograd(backward, setup_context=setup_context)
+
+
+def _define(name: str, reference: Callable, fake: Callable):
+    """Register ``ssmshard::<name>`` with its declared schema.
+
+    ``reference`` runs it (called with the arguments in schema order); ``fake`` gives the
+    output shapes and takes the arguments by their schema names (those it needs, ``**_`` for
+    the rest).
+    """
+    signature = SIGNATURES[name]
+    op = torch.library.custom_op(signature.qualname, reference, mutates_args=(), schema=signature.schema)
+    op.register_fake(lambda *args, **kwargs: fake(**signature.bind(args, kwargs)))
+    _register_autograd_by_recompute(op, reference)
+    return op
+
+
+def _check_packed_fake(cu_seqlens, batch, initial_state=None):
+    """Trace-time half of the packing checks (the values are checked when the op runs)."""
+    if cu_seqlens is None:
+        return
+    check_cu_seqlens_layout(cu_seqlens, batch)
+    if initial_state is not None:
+        raise ValueError("packed scans (cu_seqlens) start every sequence from a zero state; "
+                         "initial states are not supported with packing")
+
+
+# Scans return float32 always: the eager fallbacks they replace produce float32.
+def _selective_scan_fake(u, A, initial_state, cu_seqlens, **_):
+    _check_packed_fake(cu_seqlens, u.shape[0], initial_state)
+    bsz, d, _ = u.shape
+    return u.new_empty(u.shape, dtype=torch.float32), u.new_empty((bsz, d, A.shape[-1]), dtype=torch.float32)
+
+
+def _ssd_scan_fake(x, B, initial_states, cu_seqlens, **_):
+    _check_packed_fake(cu_seqlens, x.shape[0], initial_states)
+    bsz, _, h, p = x.shape
+    return x.new_empty(x.shape, dtype=torch.float32), x.new_empty((bsz, h, p, B.shape[-1]), dtype=torch.float32)
+
+
+def _causal_conv1d_fake(x, activation, cu_seqlens, **_):
+    # Validate here too, so a bad activation or packing layout fails at trace time, not at run time.
+    ref.check_activation(activation)
+    _check_packed_fake(cu_seqlens, x.shape[0])
+    return torch.empty_like(x)
+
+
+def _causal_conv1d_update_fake(x, conv_state, activation, **_):
+    ref.check_activation(activation)
+    return torch.empty_like(x), torch.empty_like(conv_state)
+
+
+def _selective_state_update_fake(state, x, **_):
+    return torch.empty_like(x), torch.empty_like(state)
+
+
+def _gated_rms_norm_fake(x, weight, **_):
+    return torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+
+
+selective_scan = _define("selective_scan", ref.selective_scan, _selective_scan_fake)
+ssd_scan = _define("ssd_scan", ref.ssd_scan, _ssd_scan_fake)
+causal_conv1d = _define("causal_conv1d", ref.causal_conv1d, _causal_conv1d_fake)
+causal_conv1d_update = _define("causal_conv1d_update", ref.causal_conv1d_update, _causal_conv1d_update_fake)
+selective_state_update = _define("selective_state_update", ref.selective_state_update, _selective_state_update_fake)
+# Mamba-2's gated norm as one node instead of a dozen, so tensor parallelism can decide in one
+# place whether the normalisation groups live on one rank or span several (then an all-reduce
+# of the per-group sum of squares is needed).
+gated_rms_norm = _define("gated_rms_norm", ref.gated_rms_norm, _gated_rms_norm_fake)
