@@ -22,6 +22,7 @@ import torch
 from tokenizers import Tokenizer
 
 import ssmshard
+from ssmshard.eval import perplexity
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 sys.path.insert(0, BENCH)
@@ -97,6 +98,9 @@ def test_smoke_checkpoints_load_and_reproduce_the_reported_perplexity(smoke_run)
             nll = model(ids, labels=ids, use_cache=False).loss.double().item() * windows * (window - 1)
         assert entry["heldout"]["windows"] == windows
         assert entry["heldout_perplexity"] == pytest.approx(math.exp(nll / (windows * (window - 1))), rel=1e-5)
+        # What a later evaluation does: the saved checkpoint and ids through ssmshard.eval.
+        again = perplexity(lambda x: model(x, use_cache=False).logits, heldout, window=window)
+        assert again.perplexity == pytest.approx(entry["heldout_perplexity"], rel=1e-6)
         tokenizer = AutoTokenizer.from_pretrained(os.path.join(out, name))
         assert tokenizer.eos_token_id == 0 and len(tokenizer) == report["corpus"]["tokenizer"]["vocab_size"]
 
