@@ -29,9 +29,8 @@ def cpu_median_ms(fn, repeats: int = 1) -> float:
     return statistics.median(times)
 
 
-def bar_chart(path: str, title: str, groups: list[str], series: dict[str, list], ylabel: str,
-              log: bool = False) -> str | None:
-    """Grouped bars: one group per label of ``groups``, one bar per series (None: no bar)."""
+def pyplot(path: str):
+    """``matplotlib.pyplot`` on the file-only Agg backend, or None (saying so) without matplotlib."""
     try:
         import matplotlib
 
@@ -39,6 +38,15 @@ def bar_chart(path: str, title: str, groups: list[str], series: dict[str, list],
         import matplotlib.pyplot as plt
     except ImportError:
         print(f"matplotlib is not installed (pip install 'ssmshard[bench]'): no plot {path}")
+        return None
+    return plt
+
+
+def bar_chart(path: str, title: str, groups: list[str], series: dict[str, list], ylabel: str,
+              log: bool = False) -> str | None:
+    """Grouped bars: one group per label of ``groups``, one bar per series (None: no bar)."""
+    plt = pyplot(path)
+    if plt is None:
         return None
     series = {name: values for name, values in series.items() if any(v is not None for v in values)}
     width = 0.8 / max(1, len(series))

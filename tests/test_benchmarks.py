@@ -2,8 +2,9 @@
 
 A smoke run checks the script end to end at tiny sizes (the Triton kernels on the CPU
 interpreter, processes on gloo): it writes its JSON, and its plot where matplotlib is installed
-(the `bench` extra). Its timings mean nothing. generate_gpu.py and train_packed.py have their own
-smoke tests (tests/test_generate_bench.py, tests/test_train_packed_bench.py).
+(the `bench` extra). Its timings mean nothing. generate_gpu.py, train_packed.py and
+train_small_models.py have their own smoke tests (tests/test_generate_bench.py,
+tests/test_train_packed_bench.py, tests/test_train_small_models.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "benchmarks")
 SCRIPTS = ["bench_capture.py", "bench_selective_scan.py", "bench_ssd_scan.py", "bench_causal_conv1d.py",
-           "generate_gpu.py", "tp_gpu.py", "train_packed.py"]
+           "generate_gpu.py", "tp_gpu.py", "train_packed.py", "train_small_models.py"]
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
@@ -27,9 +28,11 @@ def _env():
     return dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
+NOT_SCRIPTS = ("bench_common.py", "profiling.py", "generate_plots.py", "small_corpus.py", "small_models.py")
+
+
 def test_every_product_benchmark_answers_help_and_has_a_smoke_mode():
-    assert sorted(n for n in os.listdir(BENCH) if n.endswith(".py") and n not in ("bench_common.py", "profiling.py",
-                                                                                  "generate_plots.py")) == sorted(SCRIPTS)
+    assert sorted(n for n in os.listdir(BENCH) if n.endswith(".py") and n not in NOT_SCRIPTS) == sorted(SCRIPTS)
     runs = {name: subprocess.Popen([sys.executable, os.path.join(BENCH, name), "--help"], env=_env(),
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for name in SCRIPTS}
     for name, proc in runs.items():
