@@ -11,9 +11,8 @@ smoke configurations are the same families at hidden size 64.
 
 Training runs through the captured program (on CUDA with the ``swap_kernels`` pass: Triton
 scans and convolutions), because Hugging Face's Mamba-1 without the mamba-ssm kernels scans one
-token at a time in Python. Under ``torch.autocast`` the exported graph's dtype assertions would
-fail (they record the fp32 dtypes seen at export), so the bf16 program drops them
-(``drop_dtype_asserts``); the casts the graph records stay.
+token at a time in Python. Capture drops the exported graph's dtype assertions
+(``drop_tensor_asserts``), which would fail under ``torch.autocast``.
 """
 
 from __future__ import annotations
@@ -75,21 +74,9 @@ def build_model(name: str, vocab_size: int, smoke: bool, seed: int, device):
     return model.float().train()
 
 
-def drop_dtype_asserts(program, ctx):
-    """Remove ``aten._assert_tensor_metadata`` checks (the dtypes seen at export), so the graph
-    runs under autocast; the casts it records stay. A pipeline step, so shape siblings get it too."""
-    for module in program.graph_module.modules():
-        if isinstance(module, torch.fx.GraphModule):
-            for node in list(module.graph.nodes):
-                if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
-                    module.graph.erase_node(node)
-            module.recompile()
-    return program
-
-
 def training_program(model, precision: str):
     program = ssmshard.capture(model)
-    steps = [drop_dtype_asserts] if precision == "bf16" else []
+    steps = []  # capture already drops export's dtype asserts (they fail under autocast)
     if next(model.parameters()).is_cuda:
         steps.append(("swap_kernels", {"kernels": "triton"}))
     with warnings.catch_warnings(record=True) as caught:  # a node left on the reference path: recorded

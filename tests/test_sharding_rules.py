@@ -24,7 +24,7 @@ def program_of(module, *inputs):
     exported = torch.export.export(module, inputs, strict=False,
                                    dynamic_shapes=tuple({0: torch.export.Dim.AUTO, 1: torch.export.Dim.AUTO}
                                                         if x.dim() >= 2 else None for x in inputs))
-    program = Program.from_exported(exported, mode="forward", family="test", model=module, state_specs=[],
+    program = Program.from_exported(exported, mode="forward", family=None, model=module, state_specs=[],
                                     capture_device=torch.device("cpu"))
     return run_pipeline(program, ["tag"])
 

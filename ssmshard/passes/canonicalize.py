@@ -3,6 +3,9 @@
 * ``pad_as_cat``: HF pads a prefill shorter than the conv kernel with ``F.pad(x, (K - L, 0))``.
   The pad kernels insist on concrete widths, so fake-tensor propagation of such a graph fails
   on symbolic lengths; a zero block concatenated in front is the same computation.
+* ``drop_tensor_asserts``: export records ``aten._assert_tensor_metadata`` checks of the dtypes
+  and sizes it traced with. They fail under autocast and on a rank's local (sharded) sizes;
+  the casts the graph records stay.
 * ``gqa_attention``: grouped-query attention as ``sdpa(q, k, v, enable_gqa=True)`` instead of
   HF's ``repeat_kv`` (``reshape(expand(unsqueeze(k, 2)))``). Same values (query head i reads
   key/value head i // n_rep either way), but key/value heads stay a plain tensor dim, so
@@ -21,7 +24,18 @@ import torch
 from .manager import register
 
 aten = torch.ops.aten
-CANONICAL_PASSES = ("pad_as_cat", "gqa_attention")
+CANONICAL_PASSES = ("drop_tensor_asserts", "pad_as_cat", "gqa_attention")
+
+
+@register("drop_tensor_asserts", repropagate=False)
+def drop_tensor_asserts(program, ctx):
+    for module in program.graph_module.modules():  # nested graphs too (autocast/no_grad regions)
+        if isinstance(module, torch.fx.GraphModule):
+            for node in list(module.graph.nodes):
+                if node.op == "call_function" and node.target is aten._assert_tensor_metadata.default:
+                    module.graph.erase_node(node)
+            module.recompile()
+    return program
 
 
 @register("pad_as_cat", repropagate=False)

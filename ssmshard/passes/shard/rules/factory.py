@@ -1,4 +1,4 @@
-"""Allocations, in-place copies into them, sizes and shape asserts.
+"""Allocations, in-place copies into them, and sizes.
 
 HF's state caches allocate buffers with ``zeros``/``new_zeros`` and copy new states into
 them: a buffer that receives a sharded state is allocated at its local size (``localize``).
@@ -49,11 +49,3 @@ def sym_size(cx, node):
     p = placement_of(node.args[0])
     if isinstance(p, Shard) and node.args[1] % len(shape(node.args[0])) == p.dim:
         cx.fail(node, "reads the size of a sharded dim")
-
-
-@rule(aten._assert_tensor_metadata.default)
-def assert_metadata(cx, node):
-    """Asserts the global sizes of a tensor the rank holds a part of: dropped (``localize``)."""
-    def edit(lcx, n):
-        lcx.graph.erase_node(n)
-    leave_for_localize(node, edit)
