@@ -83,6 +83,12 @@ class Plan:
     token cannot be split, and their states are per channel anyway). ``policy``: a
     ``passes.shard.ReducePolicy`` (class or instance) deciding where partial sums are reduced
     and with which collectives, for every program (instead of the default or the SP policy).
+
+    ``quantize_syncs``: run all-reduce sync points as block-scaled quantized all-reduces:
+    ``"int8"`` or ``"fp8"`` for all of them, or ``{glob over sync point names: format or None}``
+    (the ``quantize_sync`` pass; docs/quantized_sync.md). ``quantize_min_bytes``: a call whose
+    message is smaller stays exact (decided per call; decode's small messages stay exact by
+    default). ``quantize_block``: values per scale (32, 64 or 128).
     """
 
     tp: int = 1
@@ -93,12 +99,19 @@ class Plan:
     kernels: str = "auto"
     sequence_parallel: bool = False
     policy: object = None
+    quantize_syncs: object = None
+    quantize_min_bytes: int = 1 << 20
+    quantize_block: int = 64
 
     def __post_init__(self):
         if not isinstance(self.tp, int) or self.tp < 1:
             raise PlanError(f"tp must be a positive integer, got {self.tp!r}")
         if self.kernels not in ("auto", "triton", "reference"):
             raise PlanError(f"kernels must be 'auto', 'triton' or 'reference', got {self.kernels!r}")
+        if self.quantize_syncs is not None:
+            from .passes.quantize_sync import normalize_choice
+
+            normalize_choice(self.quantize_syncs, self.quantize_block, self.quantize_min_bytes)
 
     def policy_for(self, mode: str):
         """A fresh reduce policy for a program of ``mode`` (policies keep per-program state)."""

@@ -320,6 +320,9 @@ def _passes(plan, options, placements, mode):
     pipeline = sharding_steps({**options, "placements": placements, "policy": plan.policy_for(mode)})
     if options["kernels"] == "triton":
         pipeline.append(("swap_kernels", {"kernels": "triton"}))
+    if plan.quantize_syncs and plan.tp > 1:  # after communicate, whose sync points it rewrites
+        pipeline.append(("quantize_sync", {"syncs": plan.quantize_syncs, "min_bytes": plan.quantize_min_bytes,
+                                           "block": plan.quantize_block}))
     return pipeline
 
 
