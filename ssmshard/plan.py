@@ -51,6 +51,12 @@ class Plan:
     token cannot be split, and their states are per channel anyway). ``policy``: a
     ``passes.shard.ReducePolicy`` (class or instance) deciding where partial sums are reduced
     and with which collectives, for every program (instead of the default or the SP policy).
+
+    ``quantize_syncs``: run all-reduce sync points as block-scaled quantized all-reduces:
+    ``"int8"`` or ``"fp8"`` for all of them, or ``{glob over sync point names: format or None}``
+    (the ``quantize_sync`` pass; docs/quantized_sync.md). ``quantize_min_bytes``: a call whose
+    message is smaller stays exact (decided per call; decode's small messages stay exact by
+    default). ``quantize_block``: values per scale (32, 64 or 128).
     """
 
     tp: int = 1
@@ -61,12 +67,19 @@ class Plan:
     kernels: str = "auto"
     sequence_parallel: bool = False
     policy: object = None
+    quantize_syncs: object = None
+    quantize_min_bytes: int = 1 << 20
+    quantize_block: int = 64
 
     def __post_init__(self):
         if not isinstance(self.tp, int) or self.tp < 1:
             raise PlanError(f"tp must be a positive integer, got {self.tp!r}")
         if self.kernels not in ("auto", "triton", "reference"):
             raise PlanError(f"kernels must be 'auto', 'triton' or 'reference', got {self.kernels!r}")
+        if self.quantize_syncs is not None:
+            from .passes.quantize_sync import normalize_choice
+
+            normalize_choice(self.quantize_syncs, self.quantize_block, self.quantize_min_bytes)
 
     def policy_for(self, mode: str):
         """A fresh reduce policy for a program of ``mode`` (policies keep per-program state)."""
@@ -82,8 +95,8 @@ class Plan:
                  input_placements=None) -> list:
         """The pass steps that make rank ``rank``'s program of ``mode`` under this plan, in order:
         the sharding passes (``propagate``, ``localize``, ``communicate``) with the plan's reduce
-        policy, then ``swap_kernels`` when ``kernels == "triton"`` (always last: it only
-        retargets SSM ops). ``runtime.pipeline.shard_program`` runs them; ``ssmshard inspect``
+        policy, the sync-point passes (``quantize_sync``), then ``swap_kernels`` when
+        ``kernels == "triton"`` (always last: it only retargets SSM ops). ``runtime.pipeline.shard_program`` runs them; ``ssmshard inspect``
         and the runtime both go through it."""
         from .passes.shard import sharding_steps
 
@@ -91,6 +104,9 @@ class Plan:
                    "training": self.training, "policy": self.policy_for(mode),
                    "input_placements": input_placements or {}}
         steps = sharding_steps(options)
+        if self.quantize_syncs and self.tp > 1:  # after communicate, whose sync points it rewrites
+            steps.append(("quantize_sync", {"syncs": self.quantize_syncs, "min_bytes": self.quantize_min_bytes,
+                                            "block": self.quantize_block}))
         if kernels == "triton":
             steps.append(("swap_kernels", {"kernels": "triton"}))
         return steps

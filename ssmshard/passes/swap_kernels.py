@@ -95,8 +95,9 @@ _TRITON = [
 # op -> (adapter, module the kernel lives in, static check)
 KERNELS = {getattr(ssm, name).default: (_adapter(name, module, call, inference_only), module, check)
            for name, module, call, inference_only, check in _TRITON}
-# Ops that are not kernels' business (collectives, norms handled by torch).
-_NOT_KERNELS = {"all_reduce", "tp_copy", "all_gather", "gated_rms_norm"}
+# The SSM ops a kernel could serve: every op with a declared signature but the gated norm
+# (torch handles it). Collectives and other ssmshard ops are not kernels' business.
+_KERNEL_CANDIDATES = set(SIGNATURES) - {"gated_rms_norm"}
 
 
 def _kernel_module_error(module: str):
@@ -118,7 +119,7 @@ def swap_kernels(program, ctx):
         if node.op != "call_function" or not str(node.target).startswith("ssmshard."):
             continue
         name = op_name(node).rsplit(".", 1)[-1]  # "ssmshard.ssd_scan" -> "ssd_scan"
-        if name in _NOT_KERNELS:
+        if name not in _KERNEL_CANDIDATES:
             continue
         entry = KERNELS.get(node.target)
         why = "no Triton kernel for this op" if entry is None else None
