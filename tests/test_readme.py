@@ -25,7 +25,7 @@ def python_blocks(path: str) -> list[str]:
 
 
 # What each block prints (in order): the program summary and plan; the sharding report; the pass.
-EXPECTED_OUTPUT = ["mamba2 forward program", "collectives", "scan nodes, one per layer"]
+EXPECTED_OUTPUT = ["mamba2 forward program", "sync points", "scan nodes, one per layer"]
 
 
 def test_readme_has_the_blocks_this_test_knows():

@@ -94,8 +94,9 @@ def _named_failures(method):
             timeout = _timeout_seconds(self.process_group)
             bound = f"the process group's timeout ({timeout:g} s)" if timeout else "the process group's timeout"
             what = method.__name__.replace("_stacked", "")
+            name = getattr(self.process_group, "group_name", None) or "?"
             raise CollectiveError(
-                f"rank {dist.get_rank()} waited in {what} over a process group of {self.world()} ranks and it "
+                f"rank {dist.get_rank()} waited in {what} over process group '{name}' ({self.world()} ranks) and it "
                 f"failed. Another rank failed, left, or did not call this {what} (every rank must run the "
                 f"same collectives in the same order); a wait is bounded by {bound} "
                 f"(ssmshard.launch(timeout=...) or SSMSHARD_TIMEOUT).\n{type(exc).__name__}: {str(exc).strip()}"

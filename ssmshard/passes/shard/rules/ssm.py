@@ -51,13 +51,21 @@ def conv_update(cx, node):
     return (p, p)
 
 
+def _split_like(cx, node, a, p, *, alike=(), per_channel=(), replicated=()):
+    """Arguments cut like the channels ``p`` (``alike``), per-channel weights cut like their rows
+    (``per_channel``), and arguments every rank holds whole (``replicated``), by name."""
+    _same(cx, node, p, *(a[k] for k in alike))
+    _same(cx, node, Shard(0, p.segments), *(a[k] for k in per_channel))
+    _same(cx, node, REPLICATE, *(a[k] for k in replicated))
+
+
 @rule(ssm.selective_scan.default)
 def selective_scan(cx, node):
     a = bound_args(node)
     p = _channels(cx, node, a["u"], 1, "scan channels (u)")
-    _same(cx, node, p, a["delta"], a["z"], a["initial_state"])
-    _same(cx, node, Shard(0, p.segments), a["A"], a["D"], a["delta_bias"])
-    _same(cx, node, REPLICATE, a["B"], a["C"], a["cu_seqlens"])  # dt, B, C: x_proj's output is reduced
+    # dt, B, C are replicated: x_proj's output is reduced.
+    _split_like(cx, node, a, p, alike=("delta", "z", "initial_state"), per_channel=("A", "D", "delta_bias"),
+                replicated=("B", "C", "cu_seqlens"))
     return (p, p)
 
 
@@ -86,8 +94,7 @@ def ssd_scan(cx, node):
 def state_update(cx, node):
     a = bound_args(node)
     p = _channels(cx, node, a["x"], 1, "state update channels/heads")
-    _same(cx, node, p, a["dt"], a["z"], a["state"])
-    _same(cx, node, Shard(0, p.segments), a["A"], a["D"], a["dt_bias"])
+    _split_like(cx, node, a, p, alike=("dt", "z", "state"), per_channel=("A", "D", "dt_bias"))
     if len(shape(a["x"])) == 2:
         _same(cx, node, REPLICATE, a["B"], a["C"])
     else:
