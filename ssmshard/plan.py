@@ -57,6 +57,10 @@ class Plan:
     (the ``quantize_sync`` pass; docs/quantized_sync.md). ``quantize_min_bytes``: a call whose
     message is smaller stays exact (decided per call; decode's small messages stay exact by
     default). ``quantize_block``: values per scale (32, 64 or 128).
+
+    ``allreduce``: ``"nccl"`` (default), or ``"symm_mem"``: all-reduces of at most
+    ``allreduce_max_bytes`` run torch symmetric memory's one-shot kernel over peer memory (low
+    latency, CUDA-graph capturable; NCCL groups on one host; ``comm/symmetric.py``).
     """
 
     tp: int = 1
@@ -70,12 +74,18 @@ class Plan:
     quantize_syncs: object = None
     quantize_min_bytes: int = 1 << 20
     quantize_block: int = 64
+    allreduce: str = "nccl"
+    allreduce_max_bytes: int = 256 * 1024
 
     def __post_init__(self):
         if not isinstance(self.tp, int) or self.tp < 1:
             raise PlanError(f"tp must be a positive integer, got {self.tp!r}")
         if self.kernels not in ("auto", "triton", "reference"):
             raise PlanError(f"kernels must be 'auto', 'triton' or 'reference', got {self.kernels!r}")
+        if self.allreduce not in ("nccl", "symm_mem"):
+            raise PlanError(f"allreduce must be 'nccl' or 'symm_mem', got {self.allreduce!r}")
+        if not isinstance(self.allreduce_max_bytes, int) or self.allreduce_max_bytes <= 0:
+            raise PlanError(f"allreduce_max_bytes must be a positive integer, got {self.allreduce_max_bytes!r}")
         if self.quantize_syncs is not None:
             from .passes.quantize_sync import normalize_choice
 

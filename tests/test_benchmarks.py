@@ -19,7 +19,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "benchmarks")
-SCRIPTS = ["bench_capture.py", "bench_selective_scan.py", "bench_ssd_scan.py", "bench_causal_conv1d.py",
+SCRIPTS = ["allreduce_gpu.py", "bench_capture.py", "bench_selective_scan.py", "bench_ssd_scan.py", "bench_causal_conv1d.py",
            "generate_gpu.py", "tp_gpu.py", "train_packed.py", "train_small_models.py"]
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
@@ -54,6 +54,8 @@ SMOKES = {
     "causal_conv1d": (["bench_causal_conv1d.py", "--out", "{out}/conv.json"], "conv.json", "conv.png",
                       lambda r: len(r["conv"]) == 2 and r["packed"]["fwd_ms"] > 0
                       and all(e["state_exact"] for e in r["update"])),
+    "allreduce": (["allreduce_gpu.py", "--out", "{out}"], "allreduce_tp2.json", "allreduce_tp2.png",
+                  lambda r: r["tp"] == 2 and all(row["nccl_eager"] > 0 for row in r["rows"])),
     "tp_forward": (["tp_gpu.py", "throughput", "--out", "{out}"], "throughput_tp2.json", "throughput.png",
                    lambda r: r["tp"] == 2 and r["tokens_per_s"] > 0),
 }

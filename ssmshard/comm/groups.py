@@ -180,6 +180,8 @@ def register_group(name: str, group) -> None:
     """Let graphs reach ``group`` (a ProcessGroup or any :class:`CollectiveBackend`, e.g. a
     :class:`~ssmshard.comm.simulated.SimulatedGroup`) by ``name``."""
     backend = group if isinstance(group, CollectiveBackend) else ProcessGroupBackend(group)
+    if isinstance(group, ProcessGroupBackend):
+        group = group.process_group  # resolve_group answers with the ProcessGroup it wraps
     _GROUPS[name] = (group, backend)
 
 

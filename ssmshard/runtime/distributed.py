@@ -275,7 +275,7 @@ def parallelize(model, plan: Plan, *, group=None, device_mesh=None, checkpoint=N
     if world != plan.tp:
         raise PlanError(f"Plan(tp={plan.tp}) but the process group has {world} ranks; set tp={world}")
     name = f"ssmshard_tp{next(_group_ids)}"
-    register_group(name, group)
+    register_group(name, _collective_backend(plan, group))
     if source is not None and device is None:
         nccl = dist.get_backend(group) == "nccl"
         device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
@@ -324,6 +324,20 @@ def parallelize_from_pretrained(path, plan: Plan, *, dtype=None, **kwargs) -> Di
     model = build_meta_model(str(path), dtype=dtype)
     load_generation_defaults(model, path)  # generate's defaults, as from_pretrained loads them
     return parallelize(model, plan, checkpoint=path, **kwargs)
+
+
+def _collective_backend(plan, group):
+    """What carries the program's collectives: the process group, or for ``Plan(allreduce=
+    'symm_mem')`` a backend whose small all-reduces run over peer memory (every rank builds it
+    here together: it exchanges buffer handles)."""
+    if plan.allreduce == "nccl":
+        return group
+    from ..comm.symmetric import SymmetricMemoryBackend, SymmetricMemoryError
+
+    try:
+        return SymmetricMemoryBackend(group, plan.allreduce_max_bytes)
+    except SymmetricMemoryError as exc:
+        raise PlanError(str(exc)) from None
 
 
 def _tensor_parallel_group(group, device_mesh):
