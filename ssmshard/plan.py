@@ -57,6 +57,11 @@ class Plan:
     (the ``quantize_sync`` pass; docs/quantized_sync.md). ``quantize_min_bytes``: a call whose
     message is smaller stays exact (decided per call; decode's small messages stay exact by
     default). ``quantize_block``: values per scale (32, 64 or 128).
+
+    ``drop_syncs``: sync point names or globs (``"layers.*.o_proj"``) whose all-reduce is dropped
+    (SPD: the ``spd`` pass, docs/spd.md); empty: plain TP. ``allow_approximate``: also allow
+    dropping sync points that nothing repairs later (Mamba-1's ``x_proj``). At tp=1 there are
+    no sync points and the drop set is not applied.
     """
 
     tp: int = 1
@@ -70,6 +75,8 @@ class Plan:
     quantize_syncs: object = None
     quantize_min_bytes: int = 1 << 20
     quantize_block: int = 64
+    drop_syncs: list = dataclasses.field(default_factory=list)
+    allow_approximate: bool = False
 
     def __post_init__(self):
         if not isinstance(self.tp, int) or self.tp < 1:
@@ -80,6 +87,12 @@ class Plan:
             from .passes.quantize_sync import normalize_choice
 
             normalize_choice(self.quantize_syncs, self.quantize_block, self.quantize_min_bytes)
+        if isinstance(self.drop_syncs, str) or not all(isinstance(g, str) for g in self.drop_syncs):
+            raise PlanError(f"drop_syncs must be a list of sync point names or globs, not {self.drop_syncs!r}")
+        self.drop_syncs = list(self.drop_syncs)
+        if self.drop_syncs and self.sequence_parallel:
+            raise PlanError("drop_syncs with sequence_parallel=True: sequence parallelism reduce-scatters the "
+                            "residual stream, and only all-reduce sync points can be dropped; use one or the other")
 
     def policy_for(self, mode: str):
         """A fresh reduce policy for a program of ``mode`` (policies keep per-program state)."""
@@ -95,7 +108,7 @@ class Plan:
                  input_placements=None) -> list:
         """The pass steps that make rank ``rank``'s program of ``mode`` under this plan, in order:
         the sharding passes (``propagate``, ``localize``, ``communicate``) with the plan's reduce
-        policy, the sync-point passes (``quantize_sync``), then ``swap_kernels`` when
+        policy, the sync-point passes (``spd``, then ``quantize_sync``), then ``swap_kernels`` when
         ``kernels == "triton"`` (always last: it only retargets SSM ops). ``runtime.pipeline.shard_program`` runs them; ``ssmshard inspect``
         and the runtime both go through it."""
         from .passes.shard import sharding_steps
@@ -104,6 +117,9 @@ class Plan:
                    "training": self.training, "policy": self.policy_for(mode),
                    "input_placements": input_placements or {}}
         steps = sharding_steps(options)
+        if self.drop_syncs and self.tp > 1:  # after communicate, whose sync points it drops
+            steps.append(("spd", {"drop": self.drop_syncs, "allow_approximate": self.allow_approximate,
+                                  "training": self.training, "group": group}))
         if self.quantize_syncs and self.tp > 1:  # after communicate, whose sync points it rewrites
             steps.append(("quantize_sync", {"syncs": self.quantize_syncs, "min_bytes": self.quantize_min_bytes,
                                             "block": self.quantize_block}))
