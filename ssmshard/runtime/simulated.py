@@ -35,14 +35,16 @@ _mesh_ids = itertools.count()
 class SimulatedMesh:
     """All ``plan.tp`` ranks of ``model`` under ``plan``, run as threads of this process."""
 
-    def __init__(self, model, plan, *, timeout: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, model, plan, *, timeout: float = DEFAULT_TIMEOUT_S, program=None):
+        """``program``: ``model``'s captured forward program, to reuse across meshes (calibration
+        builds one mesh per candidate plan); each rank shards its own copy."""
         if any(p.device.type == "meta" for p in model.parameters()):
             raise ValueError("SimulatedMesh needs the model's weights; this model is on the meta device")
         self.plan = plan
         self.model = model
         self.timeout = timeout
         self.group = f"ssmshard_simulated{next(_mesh_ids)}"
-        program = capture(model, mode="forward")
+        program = capture(model, mode="forward") if program is None else program
         placements = plan.layout(program, model)  # PlanError here, before any rank runs
         kernels = plan.kernel_choice(next(model.parameters()).device)
         self.ranks: list[DistributedModule] = []
