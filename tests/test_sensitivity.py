@@ -71,3 +71,17 @@ def test_json_plot_and_choose_from_records(calibrated, tmp_path):
     assert report.plot(tmp_path / "s.png")
     assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "layers.1.down_proj" in report.table()
+
+
+def test_command_line(tmp_path, capsys):
+    from ssmshard.cli import main
+
+    ids = torch.randint(0, 256, (48,), generator=torch.Generator().manual_seed(3))
+    (tmp_path / "ids.txt").write_text(" ".join(map(str, ids.tolist())))
+    status = main(["sensitivity", "mamba2", "--tp", "2", "--calibration", str(tmp_path / "ids.txt"), "--window", "16",
+                   "--json", str(tmp_path / "s.json"), "--budget", "0.5", "-q"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "layers.0.out_proj" in out and "chosen within 50.00%" in out
+    assert SensitivityReport.load(tmp_path / "s.json").tp == 2
+    assert main(["sensitivity", "mamba2", "--tp", "2", "--calibration", str(tmp_path / "missing.txt")]) == 2
