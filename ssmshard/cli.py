@@ -112,7 +112,7 @@ def cmd_inspect(args) -> int:
         write_html(args.html, sharded_programs(program, model, plan, prefill=prefill) if plan else [program])
         print(f"wrote {args.html}")
     if plan is not None:
-        print(plan.explain(program, model))
+        print(plan.explain(program, model, syncs=False))  # the report below lists them
         program = _shard_for_report(program, prefill, model, plan, args.rank)
         print(program.report(activations=args.placements))
     return 0

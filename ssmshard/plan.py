@@ -161,15 +161,26 @@ class Plan:
         return {fqn: family.style(rule.style)(self.tp, fqn, spec, model)
                 for fqn, spec, _, rule, family in self._rules_by_weight(program)}
 
-    def explain(self, program, model=None) -> str:
-        """Which rule hit which weight, and the placement it gives (when ``model`` is given)."""
-        lines = [f"Plan(tp={self.tp}, vocab_parallel={self.vocab_parallel}) on {program.family}:"]
+    def explain(self, program, model=None, *, syncs: bool = True) -> str:
+        """Which rule hit which weight, and the placement it gives (when ``model`` is given); with
+        ``model`` and ``syncs``, also rank 0's sync points of a forward ``program`` under this plan:
+        each kept, dropped or quantized, its bytes per token and the totals."""
+        lines = [f"Plan(tp={self.tp}, vocab_parallel={self.vocab_parallel}"
+                 + (f", drop_syncs={self.drop_syncs}" if self.drop_syncs else "")
+                 + (f", quantize_syncs={self.quantize_syncs!r}" if self.quantize_syncs else "")
+                 + f") on {program.family}:"]
         for fqn, spec, block, rule, family in self._rules_by_weight(program):
             where = f"block={block} role={spec.role}"
             placement = ""
             if model is not None:
                 placement = " -> " + str(family.style(rule.style)(self.tp, fqn, spec, model))
             lines.append(f"  {fqn:<60} {where:<32} {rule.style}{placement}")
+        if model is not None and syncs and self.tp > 1 and program.mode == "forward":
+            from .inspect import sharding_report
+            from .runtime.pipeline import shard_program
+
+            sharded = shard_program(copy.deepcopy(program), model, self, rank=0, group="ssmshard_explain")
+            lines += sharding_report(sharded, weights=False).splitlines()[1:]
         return "\n".join(lines)
 
 
