@@ -109,7 +109,7 @@ def _replace_uses(old, new):
 
 
 class _Rewriter:
-    def __init__(self, program, dropped: list[SyncPoint], kept_reduces: set, training: bool, group: str):
+    def __init__(self, program, kept_reduces: set, training: bool, group: str):
         self.program = program
         self.graph = program.graph
         self.training = training
@@ -121,8 +121,7 @@ class _Rewriter:
         self.dead = []  # nodes whose value the state replaced
         self.flushes: list[SyncPoint] = []
         self.unrepaired: list[str] = []
-        self.absorbed: set[str] = set()
-        self.rank_local: set = set()
+        self.absorbed_anywhere: set[str] = set()  # dropped names some path hands to a kept all-reduce
 
     # ------------------------------------------------------------- analysis
     def _absorber(self, node, arg):
@@ -266,7 +265,6 @@ class _Rewriter:
         operand = reduce.args[0]
         summed = self._add(operand, pending, operand, PARTIAL, reduce)
         _rewire(reduce, operand, summed)
-        self.absorbed |= names
         exact = base
         if exact is None:  # the stream before the dropped block was zero (a dropped embedding)
             _replace_uses(node, term)
@@ -342,7 +340,7 @@ def spd(program, ctx):
     names = {p.name for p in dropped}
     kept = {p.node for p in program.sync_points if p.kind == "all_reduce" and p.name not in names}
     nodes = {node.name: node for node in program.graph.nodes}
-    rewriter = _Rewriter(program, dropped, kept, options.get("training", True), options["group"])
+    rewriter = _Rewriter(program, kept, options.get("training", True), options["group"])
     for point in dropped:
         node = nodes[point.node]
         if node.target is not ssm.all_reduce.default:
