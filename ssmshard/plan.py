@@ -87,7 +87,10 @@ class Plan:
             from .passes.quantize_sync import normalize_choice
 
             normalize_choice(self.quantize_syncs, self.quantize_block, self.quantize_min_bytes)
-        if isinstance(self.drop_syncs, str) or not all(isinstance(g, str) for g in self.drop_syncs):
+        if self.drop_syncs is None:
+            self.drop_syncs = []
+        if isinstance(self.drop_syncs, str) or not isinstance(self.drop_syncs, (list, tuple)) \
+                or not all(isinstance(g, str) for g in self.drop_syncs):
             raise PlanError(f"drop_syncs must be a list of sync point names or globs, not {self.drop_syncs!r}")
         self.drop_syncs = list(self.drop_syncs)
         if self.drop_syncs and self.sequence_parallel:
