@@ -113,6 +113,11 @@ CASES = {
                                    [(m.model.layers[1].shared_transformer.self_attn.o_proj, 0),
                                     (m.model.layers[1].shared_transformer.feed_forward.down_proj, 0),
                                     (m.model.layers[1].mamba_decoder.mamba.out_proj, 0)])),
+    # Unrepaired: the shared transformer has no residual around attention; its MLP reads the
+    # rank's partial, and the MLP's kept all-reduce sums what the ranks made of their own.
+    "zamba2_shared_o_proj": (lambda: small_model("zamba2"), "layers.1.o_proj",
+                             lambda m: ((m.model.layers[1].shared_transformer.self_attn.o_proj, 0),
+                                        [(m.model.layers[1].shared_transformer.feed_forward.down_proj, 0)])),
 }
 
 
@@ -125,7 +130,8 @@ def _all_reduces(mesh):
 
 
 @pytest.mark.parametrize("case, tp", [("llama_o_proj", 2), ("llama_o_proj", 4), ("llama_down_proj", 2),
-                                      ("mamba2_out_proj", 2), ("mamba_out_proj", 2), ("zamba2_out_proj", 2)])
+                                      ("mamba2_out_proj", 2), ("mamba_out_proj", 2), ("zamba2_out_proj", 2),
+                                      ("zamba2_shared_o_proj", 2)])
 def test_spd_matches_the_emulation_from_hf_modules(case, tp, fresh_seed):
     """Logits equal the emulation (1e-5) and differ from exact TP; one all-reduce fewer; the
     placements stay consistent; every rank returns the same logits."""
