@@ -7,9 +7,11 @@ from .families import FAMILIES, build_small_model, family_of
 from .packing import PackedBatch, pack
 from .plan import Plan, PlanError, Rule
 from .program import Program
-from .runtime import CheckpointError, DistributedModule, launch, parallelize, parallelize_from_pretrained
+from .sensitivity import SensitivityReport, sensitivity
+from .runtime import (CheckpointError, DistributedModule, SimulatedMesh, launch, parallelize,
+                      parallelize_from_pretrained)
 
 __all__ = ["FAMILIES", "CheckpointError", "DistributedModule", "PackedBatch", "Plan", "PlanError", "Program",
-           "Rule", "build_small_model", "capture", "family_of", "launch", "pack", "parallelize",
-           "parallelize_from_pretrained", "passes"]
+           "Rule", "SensitivityReport", "SimulatedMesh", "build_small_model", "capture", "family_of", "launch", "pack", "parallelize",
+           "parallelize_from_pretrained", "passes", "sensitivity"]
 __version__ = "0.1.0"

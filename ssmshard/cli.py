@@ -1,8 +1,10 @@
-"""The ``ssmshard`` command line: ``ssmshard inspect MODEL`` and ``ssmshard demo``.
+"""The ``ssmshard`` command line: ``ssmshard inspect MODEL``, ``ssmshard sensitivity MODEL`` and ``ssmshard demo``.
 
 ``inspect`` captures a model built on the meta device (no weights are allocated, so a
 config of any size works) and prints what the program holds. ``demo`` checks, on a tiny
 randomly initialised model, that the captured programs compute what Hugging Face eager does.
+``sensitivity`` measures, on calibration tokens, what dropping each sync point (SPD) costs in
+perplexity at a tensor-parallel size, on a simulated mesh in this process (docs/spd.md).
 
 A user error (a bad argument, an unknown model, an impossible plan, a combination the
 sharding rules do not support) prints one line ``error: ...`` and exits with status 2
@@ -110,7 +112,7 @@ def cmd_inspect(args) -> int:
         write_html(args.html, sharded_programs(program, model, plan, prefill=prefill) if plan else [program])
         print(f"wrote {args.html}")
     if plan is not None:
-        print(plan.explain(program, model))
+        print(plan.explain(program, model, syncs=False))  # the report below lists them
         program = _shard_for_report(program, prefill, model, plan, args.rank)
         print(program.report(activations=args.placements))
     return 0
@@ -232,6 +234,69 @@ def _version() -> str:
     return f"ssmshard {__version__} ({versions})"
 
 
+def _load_model(name: str):
+    """A family name (its small model, random weights) or a checkpoint directory (its weights)."""
+    from .families import BY_NAME, build_small_model, model_class_for
+
+    if name in BY_NAME:
+        return build_small_model(name)
+    config = load_config(name)
+    if not os.path.isdir(name):
+        raise UserError(f"sensitivity needs weights: {name} is not a checkpoint directory")
+    try:
+        return model_class_for(config).from_pretrained(name).eval()
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot load the checkpoint {name}: {exc}") from exc
+
+
+def _calibration_ids(path: str, model_name: str) -> torch.Tensor:
+    if not os.path.isfile(path):
+        raise UserError(f"calibration file {path} does not exist")
+    if path.endswith(".pt"):
+        ids = torch.load(path)
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 1:
+            raise UserError(f"{path} must hold a 1-D tensor of token ids")
+        return ids.long()
+    with open(path) as f:
+        text = f.read()
+    words = text.split()
+    if words and all(w.isdigit() for w in words):
+        return torch.tensor([int(w) for w in words])
+    if not os.path.isdir(model_name):
+        raise UserError(f"{path} is text, and {model_name} is not a checkpoint directory with a tokenizer: give "
+                        "token ids (.pt or whitespace-separated integers)")
+    from transformers import AutoTokenizer
+
+    return torch.tensor(AutoTokenizer.from_pretrained(model_name)(text)["input_ids"])
+
+
+def cmd_sensitivity(args) -> int:
+    from .plan import Plan
+    from .sensitivity import sensitivity
+
+    model = _load_model(args.model)
+    ids = _calibration_ids(args.calibration, args.model)
+    vocab = model.config.vocab_size
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise UserError(f"calibration ids must lie in [0, {vocab}); found {int(ids.min())}..{int(ids.max())}")
+    try:
+        report = sensitivity(model, Plan(tp=args.tp, allow_approximate=args.allow_approximate), ids,
+                             window=args.window, batch_size=args.batch_size, max_windows=args.max_windows,
+                             thresholds=(args.isb, args.esb), progress=not args.quiet)
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
+    print(report.table())
+    choice = report.choose(budget=args.budget)
+    print(f"chosen within {args.budget:.2%}: drop_syncs={choice.drop_syncs} (measured perplexity "
+          f"{choice.measured.perplexity:.4f}, increase {choice.measured.increase:.2%})")
+    if args.json:
+        report.save(args.json)
+    if args.plot and not report.plot(args.plot):
+        print(f"no plot written to {args.plot}: matplotlib is not installed (pip install 'ssmshard[bench]')",
+              file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .capture import MODES
     from .families import BY_NAME
@@ -259,6 +324,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--html", metavar="PATH", help="also write every rank's sharded program as one self-contained "
                                                    "HTML page (blocks per layer, collectives, placements on hover)")
     p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("sensitivity", parents=[output], help="perplexity cost of dropping each sync point (SPD)",
+                       description="Run MODEL at --tp ranks simulated in this process with each sync point dropped "
+                                   "in turn and cumulatively from the last layers back; print perplexity, KL and "
+                                   "class (ISB/SB/ESB) per sync point and the drop set chosen within --budget.")
+    p.add_argument("model", help="a checkpoint directory (weights and config), or a family name (a tiny random model)")
+    p.add_argument("--tp", type=_positive_int, required=True, help="tensor-parallel ranks to simulate")
+    p.add_argument("--calibration", required=True, metavar="FILE",
+                   help="token ids: a .pt 1-D tensor, or a text file of whitespace-separated integers; any other "
+                        "text is tokenized with the checkpoint's tokenizer")
+    p.add_argument("--window", type=_positive_int, default=128, help="tokens per scored window")
+    p.add_argument("--batch-size", type=_positive_int, default=8)
+    p.add_argument("--max-windows", type=_positive_int, default=None, help="score only the first windows")
+    p.add_argument("--isb", type=float, default=0.01, help="largest perplexity increase of an insensitive block")
+    p.add_argument("--esb", type=float, default=0.05, help="above this, extremely sensitive")
+    p.add_argument("--budget", type=float, default=0.01, help="perplexity increase the chosen drop set may cost")
+    p.add_argument("--allow-approximate", action="store_true", help="also try the x_proj sync points (unrepaired)")
+    p.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    p.add_argument("--plot", metavar="PATH", help="write the sensitivity plot as PNG (needs matplotlib)")
+    p.set_defaults(func=cmd_sensitivity)
 
     p = sub.add_parser("demo", parents=[output], help="capture a tiny model and check its programs against HF eager")
     p.add_argument("--family", choices=sorted(BY_NAME), default="mamba2")

@@ -95,6 +95,7 @@ def sharding_report(program, *, weights: bool = True, activations: bool = False)
     kept = [p for p in points if p.action != "dropped"]
     lines.append(f"{len(points)} sync points, {_bytes(_total(kept))} bytes per token in all "
                  f"(each rank's operand){_actions(points)}:")
+    lines.append(_totals(points))
     for i, p in enumerate(points):
         layer = "-" if p.layer is None else p.layer
         lines.append(f"  #{i:<3} {p.kind:<14} layer {layer:<3} {p.block:<9} after {p.role:<10} "
@@ -114,6 +115,16 @@ def sharding_report(program, *, weights: bool = True, activations: bool = False)
             lines.append(f"{node.name:<40} {op_name(node):<28} {layer:>5} {tags.get('block', ''):<9} "
                          f"{tags.get('role', ''):<12} {shown:<24} {shape}")
     return "\n".join(lines)
+
+
+def _totals(points) -> str:
+    """Bytes per token each action leaves on the wire, and per decode step (one token a sequence)."""
+    by_action = {a: _total([p for p in points if p.action == a]) for a in ("kept", "quantized", "dropped")}
+    sent = _total([p for p in points if p.action != "dropped"])
+    return (f"  per token: {_bytes(by_action['kept'])} B kept, {_bytes(by_action['quantized'])} B quantized "
+            f"(its operand, before quantization), {_bytes(by_action['dropped'])} B "
+            f"dropped; a decode step of batch b syncs b x {_bytes(sent)} B in {sum(p.action != 'dropped' for p in points)}"
+            " collectives")
 
 
 def _total(points):

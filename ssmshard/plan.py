@@ -61,6 +61,11 @@ class Plan:
     ``allreduce``: ``"nccl"`` (default), or ``"symm_mem"``: all-reduces of at most
     ``allreduce_max_bytes`` run torch symmetric memory's one-shot kernel over peer memory (low
     latency, CUDA-graph capturable; NCCL groups on one host; ``comm/symmetric.py``).
+
+    ``drop_syncs``: sync point names or globs (``"layers.*.o_proj"``) whose all-reduce is dropped
+    (SPD: the ``spd`` pass, docs/spd.md); empty: plain TP. ``allow_approximate``: also allow
+    dropping sync points that nothing repairs later (Mamba-1's ``x_proj``). At tp=1 there are
+    no sync points and the drop set is not applied.
     """
 
     tp: int = 1
@@ -76,6 +81,8 @@ class Plan:
     quantize_block: int = 64
     allreduce: str = "nccl"
     allreduce_max_bytes: int = 256 * 1024
+    drop_syncs: list = dataclasses.field(default_factory=list)
+    allow_approximate: bool = False
 
     def __post_init__(self):
         if not isinstance(self.tp, int) or self.tp < 1:
@@ -90,6 +97,15 @@ class Plan:
             from .passes.quantize_sync import normalize_choice
 
             normalize_choice(self.quantize_syncs, self.quantize_block, self.quantize_min_bytes)
+        if self.drop_syncs is None:
+            self.drop_syncs = []
+        if isinstance(self.drop_syncs, str) or not isinstance(self.drop_syncs, (list, tuple)) \
+                or not all(isinstance(g, str) for g in self.drop_syncs):
+            raise PlanError(f"drop_syncs must be a list of sync point names or globs, not {self.drop_syncs!r}")
+        self.drop_syncs = list(self.drop_syncs)
+        if self.drop_syncs and self.sequence_parallel:
+            raise PlanError("drop_syncs with sequence_parallel=True: sequence parallelism reduce-scatters the "
+                            "residual stream, and only all-reduce sync points can be dropped; use one or the other")
 
     def policy_for(self, mode: str):
         """A fresh reduce policy for a program of ``mode`` (policies keep per-program state)."""
@@ -105,7 +121,7 @@ class Plan:
                  input_placements=None) -> list:
         """The pass steps that make rank ``rank``'s program of ``mode`` under this plan, in order:
         the sharding passes (``propagate``, ``localize``, ``communicate``) with the plan's reduce
-        policy, the sync-point passes (``quantize_sync``), then ``swap_kernels`` when
+        policy, the sync-point passes (``spd``, then ``quantize_sync``), then ``swap_kernels`` when
         ``kernels == "triton"`` (always last: it only retargets SSM ops). ``runtime.pipeline.shard_program`` runs them; ``ssmshard inspect``
         and the runtime both go through it."""
         from .passes.shard import sharding_steps
@@ -114,6 +130,9 @@ class Plan:
                    "training": self.training, "policy": self.policy_for(mode),
                    "input_placements": input_placements or {}}
         steps = sharding_steps(options)
+        if self.drop_syncs and self.tp > 1:  # after communicate, whose sync points it drops
+            steps.append(("spd", {"drop": self.drop_syncs, "allow_approximate": self.allow_approximate,
+                                  "training": self.training, "group": group}))
         if self.quantize_syncs and self.tp > 1:  # after communicate, whose sync points it rewrites
             steps.append(("quantize_sync", {"syncs": self.quantize_syncs, "min_bytes": self.quantize_min_bytes,
                                             "block": self.quantize_block}))
@@ -155,15 +174,26 @@ class Plan:
         return {fqn: family.style(rule.style)(self.tp, fqn, spec, model)
                 for fqn, spec, _, rule, family in self._rules_by_weight(program)}
 
-    def explain(self, program, model=None) -> str:
-        """Which rule hit which weight, and the placement it gives (when ``model`` is given)."""
-        lines = [f"Plan(tp={self.tp}, vocab_parallel={self.vocab_parallel}) on {program.family}:"]
+    def explain(self, program, model=None, *, syncs: bool = True) -> str:
+        """Which rule hit which weight, and the placement it gives (when ``model`` is given); with
+        ``model`` and ``syncs``, also rank 0's sync points of a forward ``program`` under this plan:
+        each kept, dropped or quantized, its bytes per token and the totals."""
+        lines = [f"Plan(tp={self.tp}, vocab_parallel={self.vocab_parallel}"
+                 + (f", drop_syncs={self.drop_syncs}" if self.drop_syncs else "")
+                 + (f", quantize_syncs={self.quantize_syncs!r}" if self.quantize_syncs else "")
+                 + f") on {program.family}:"]
         for fqn, spec, block, rule, family in self._rules_by_weight(program):
             where = f"block={block} role={spec.role}"
             placement = ""
             if model is not None:
                 placement = " -> " + str(family.style(rule.style)(self.tp, fqn, spec, model))
             lines.append(f"  {fqn:<60} {where:<32} {rule.style}{placement}")
+        if model is not None and syncs and self.tp > 1 and program.mode == "forward":
+            from .inspect import sharding_report
+            from .runtime.pipeline import shard_program
+
+            sharded = shard_program(copy.deepcopy(program), model, self, rank=0, group="ssmshard_explain")
+            lines += sharding_report(sharded, weights=False).splitlines()[1:]
         return "\n".join(lines)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import math
 import dataclasses
+import threading
 from typing import Any
 
 import sympy
@@ -218,8 +219,12 @@ class Program:
                 f"{[tuple(t.shape) for t in user_inputs][:3]}; capture it again with example shapes "
                 "inside the range you need"
             )
-        sibling = self.recapture(user_inputs)
-        self.siblings.append(sibling)
+        with _RECAPTURE_LOCK:  # the ranks of a SimulatedMesh are threads; export is not thread-safe
+            for candidate in self.siblings:  # another thread may have captured it meanwhile
+                if candidate.admits(user_inputs):
+                    return candidate
+            sibling = self.recapture(user_inputs)
+            self.siblings.append(sibling)
         return sibling
 
     def describe_ranges(self) -> str:
@@ -322,6 +327,9 @@ class Program:
         return (f"Program({self.family}, mode={self.mode}{', packed' if self.packed else ''}, "
                 f"nodes={self.node_count()}, "
                 f"weights={'bound' if self.weights is not None else 'unbound'})")
+
+
+_RECAPTURE_LOCK = threading.RLock()
 
 
 def _user_input_ranges(exported, user_nodes):

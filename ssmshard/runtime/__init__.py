@@ -4,5 +4,7 @@ safetensors checkpoint, ``checkpoint.py``); ``launch`` starts ranks locally."""
 from .checkpoint import CheckpointError
 from .distributed import DistributedModule, parallelize, parallelize_from_pretrained
 from .launch import launch
+from .simulated import SimulatedMesh
 
-__all__ = ["CheckpointError", "DistributedModule", "launch", "parallelize", "parallelize_from_pretrained"]
+__all__ = ["CheckpointError", "DistributedModule", "launch", "parallelize", "parallelize_from_pretrained",
+           "SimulatedMesh"]

@@ -291,6 +291,11 @@ def parallelize(model, plan: Plan, *, group=None, device_mesh=None, checkpoint=N
         weights = read_local_weights(program, placements, model, source, keys, rank, device=device,
                                      progress=progress and rank == 0)
         return module(program, weights)
+    return module(program, local_weights(program, placements, model, rank))
+
+
+def local_weights(program, placements, model, rank: int) -> dict:
+    """Rank ``rank``'s slices of ``model``'s weights (fresh leaf tensors) for ``program``."""
     named = dict(model.named_parameters(remove_duplicate=False))
     named.update(model.named_buffers(remove_duplicate=False))
     weights = {}
@@ -298,7 +303,7 @@ def parallelize(model, plan: Plan, *, group=None, device_mesh=None, checkpoint=N
         full = named.get(fqn, program.constants.get(fqn))
         local = _local_part(full.detach(), placements.get(fqn), rank)
         weights[fqn] = local.clone().requires_grad_(spec.kind == "parameter" and full.requires_grad)
-    return module(program, weights)
+    return weights
 
 
 def _local_part(tensor, placement, rank):

@@ -165,27 +165,39 @@ class TokenChannel:
     int64 values: the next tokens (b), the rows still running (b), and whether rank 0 failed."""
 
     def __init__(self, group, input_ids: torch.Tensor):
-        self.distributed = group is not None and dist.is_initialized() and dist.get_world_size(group) > 1
+        from ..comm.groups import CollectiveBackend
+
+        # A simulated group (ssmshard.runtime.simulated.SimulatedMesh) broadcasts in memory.
+        self.backend = group if isinstance(group, CollectiveBackend) and group.world() > 1 else None
+        self.distributed = self.backend is not None or (
+            group is not None and not isinstance(group, CollectiveBackend) and dist.is_initialized()
+            and dist.get_world_size(group) > 1)
         self.group = group
-        self.source = dist.get_global_rank(group, 0) if self.distributed else 0
-        self.decides = not self.distributed or dist.get_rank(group) == 0
+        self.source = dist.get_global_rank(group, 0) if self.distributed and self.backend is None else 0
+        self.decides = (not self.distributed or (self.backend.rank() if self.backend is not None
+                                                 else dist.get_rank(group)) == 0)
         self.batch = input_ids.shape[0]
         self.device = input_ids.device
+
+    def _broadcast(self, message: torch.Tensor) -> torch.Tensor:
+        if self.backend is not None:
+            return self.backend.broadcast(message, 0)
+        dist.broadcast(message, src=self.source, group=self.group)
+        return message
 
     def send(self, tokens: torch.Tensor, unfinished: torch.Tensor) -> None:
         if self.distributed:
             ok = torch.zeros(1, dtype=torch.long, device=self.device)
-            dist.broadcast(torch.cat([tokens.long(), unfinished.long(), ok]), src=self.source, group=self.group)
+            self._broadcast(torch.cat([tokens.long(), unfinished.long(), ok]))
 
     def send_failure(self) -> None:
         if self.distributed:
             failed = torch.zeros(2 * self.batch + 1, dtype=torch.long, device=self.device)
             failed[-1] = 1
-            dist.broadcast(failed, src=self.source, group=self.group)
+            self._broadcast(failed)
 
     def receive(self) -> tuple[torch.Tensor, torch.Tensor]:
-        message = torch.empty(2 * self.batch + 1, dtype=torch.long, device=self.device)
-        dist.broadcast(message, src=self.source, group=self.group)
+        message = self._broadcast(torch.empty(2 * self.batch + 1, dtype=torch.long, device=self.device))
         if bool(message[-1]):
             raise RuntimeError("generate: rank 0 failed choosing the next tokens (its own error says why); "
                                "this rank stops too")

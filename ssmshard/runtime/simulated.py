@@ -1,0 +1,92 @@
+"""``SimulatedMesh``: every rank of a tensor-parallel plan in one process (CPU or one GPU).
+
+Each rank is a :class:`~ssmshard.runtime.distributed.DistributedModule` built exactly as
+``parallelize`` builds it in its own process (the same capture, ``plan.layout``, rank
+pipeline and weight slices); the collectives run in memory through a
+:class:`~ssmshard.comm.simulated.SimulatedGroup` (one thread per rank, sums in rank order), so
+the values are those of an N-process run. It is what sync-point calibration
+(``ssmshard.sensitivity``) runs on: one machine evaluates a tp=8 plan with dropped or
+quantized sync points.
+
+    mesh = SimulatedMesh(model, Plan(tp=8, drop_syncs=["layers.*.o_proj"]))
+    logits = mesh(ids)                               # rank 0's logits (every rank has them)
+    tokens = mesh.generate(ids, max_new_tokens=8)
+    grads = mesh.run(lambda dm: ...)                 # any per-rank function, backward included
+
+Backward through simulated collectives works on CPU tensors only, inside ``run`` (the rank
+threads own the collectives; see comm/simulated.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import torch
+
+from ..capture import capture
+from ..comm.simulated import DEFAULT_TIMEOUT_S, run_simulated
+from .distributed import DistributedModule, local_weights
+from .pipeline import shard_program
+
+_mesh_ids = itertools.count()
+
+
+class SimulatedMesh:
+    """All ``plan.tp`` ranks of ``model`` under ``plan``, run as threads of this process."""
+
+    def __init__(self, model, plan, *, timeout: float = DEFAULT_TIMEOUT_S, program=None):
+        """``program``: ``model``'s captured forward program, to reuse across meshes (calibration
+        builds one mesh per candidate plan); each rank shards its own copy."""
+        if any(p.device.type == "meta" for p in model.parameters()):
+            raise ValueError("SimulatedMesh needs the model's weights; this model is on the meta device")
+        self.plan = plan
+        self.model = model
+        self.timeout = timeout
+        self.group = f"ssmshard_simulated{next(_mesh_ids)}"
+        program = capture(model, mode="forward") if program is None else program
+        placements = plan.layout(program, model)  # PlanError here, before any rank runs
+        kernels = plan.kernel_choice(next(model.parameters()).device)
+        self.ranks: list[DistributedModule] = []
+        for rank in range(plan.tp):
+            options = {"rank": rank, "group": self.group, "kernels": kernels}
+            local = shard_program(copy.deepcopy(program), model, plan, placements=placements, **options)
+            self.ranks.append(DistributedModule(local, local_weights(local, placements, model, rank), plan, rank,
+                                                model=model, shard_options=options))
+
+    @property
+    def program(self):
+        """Rank 0's forward program (its ``sync_points`` and ``report()``)."""
+        return self.ranks[0].program
+
+    def run(self, fn, *args) -> list:
+        """``fn(rank_module, *args)`` on every rank at once; the ranks' results in rank order.
+        Grad mode is the caller's."""
+        grad = torch.is_grad_enabled()
+
+        def rank_main(rank, world):
+            with torch.set_grad_enabled(grad):
+                return fn(self.ranks[rank], *args)
+
+        return run_simulated(rank_main, self.plan.tp, group=self.group, timeout=self.timeout)
+
+    def __call__(self, input_ids, **kwargs):
+        """The logits every rank returns (rank 0's)."""
+        return self.run(lambda dm: dm(input_ids, **kwargs))[0]
+
+    def prefill(self, input_ids, attention_mask=None, **kwargs):
+        self._generation_programs(kwargs.get("chunk_size"), input_ids)
+        return self.run(lambda dm: dm.prefill(input_ids, attention_mask, **kwargs))
+
+    def generate(self, input_ids, attention_mask=None, **kwargs):
+        """Rank 0's output of ``DistributedModule.generate`` (every rank returns the same ids)."""
+        self._generation_programs(kwargs.get("prefill_chunk_size"), input_ids)
+        return self.run(lambda dm: dm.generate(input_ids, attention_mask, **kwargs))[0]
+
+    def _generation_programs(self, chunk_size, input_ids):
+        """Capture and shard each rank's generation programs here, one rank after another (export
+        is not thread-safe), before the rank threads run them."""
+        for dm in self.ranks:
+            dm.generation_programs()
+            if chunk_size is not None and input_ids.shape[1] > chunk_size:
+                dm.chunk_program()
