@@ -4,7 +4,14 @@ Runs Zamba2's mixer chain (in_proj slice -> causal conv + silu -> SSD scan) at t
 benchmark sizes with each combination of {Triton, reference} conv and {Triton, reference}
 SSD, bf16 activations and fp32 parameters as autocast hands them over, and prints for each
 which gradients are non-finite (the op boundary tensors first, then the parameters), and
-the error against the fp32 reference chain. Usage: python scratch/ssd_bf16_nan_repro.py
+the error against the fp32 reference chain. About 60 s on an H200 (autotuning included).
+
+Usage: python scratch/ssd_bf16_nan_repro.py [ngroups=G] [dstate=N] [batch=B]
+Force one config of every tuned SSD kernel with SSMSHARD_SSD_AUTOTUNE=0 SSMSHARD_SSD_CONFIG=i.
+Before the MIN_SPLIT_BLOCK_N fix (ssd_scan_bwd.py) this printed, on an H200 with Triton 3.6:
+bf16 with the Triton SSD (either conv): non-finite conv_out, dt, C, proj, conv_w, conv_b,
+dt_bias, A_log; bf16 with the Triton conv and reference SSD, and every fp32 run: finite;
+with ngroups=1 the dC kernel's autotuning hit an illegal memory access.
 """
 import math, os, sys, time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
