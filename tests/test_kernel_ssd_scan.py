@@ -109,7 +109,8 @@ def rel_err(got, want):
 
 def check_against_sequential(inputs, chunk_size, options, tol, grad_tol, cu_seqlens=None, final=True):
     """Forward and every input gradient of ssd_scan vs sequential_ssd in float64."""
-    leaves = {k: v.detach().clone().requires_grad_(True) for k, v in inputs.items() if v is not None}
+    # detach, not clone: leaves keep the inputs' strides (views of a shared buffer stay views).
+    leaves = {k: v.detach().requires_grad_(True) for k, v in inputs.items() if v is not None}
     leaves64 = {k: v.detach().double().requires_grad_(True) for k, v in leaves.items()}
     # A and D per token, so the reference also gives the per-token terms of dA and dD.
     bsz, l, h, p = inputs["x"].shape
@@ -281,6 +282,59 @@ def test_bf16_packed_matches_sequential(cb_stored, fresh_seed, monkeypatch):
     inputs = make_inputs(1, sum(lengths), 2, 8, 1, 16, D="hp", init=len(lengths), dtype=torch.bfloat16)
     check_against_sequential(inputs, chunk, dict(dt_softplus=True), BF16_TOL, BF16_TOL, cu_seqlens=cu_from(lengths))
     assert bool(calls) == cb_stored
+
+
+def zamba2_layout_inputs(b, l, h, p, g, n):
+    """Inputs as Zamba2's mixer hands them to the scan under bf16 autocast: x, B and C are
+    views of one channel-major conv output (b, conv_dim, l) transposed and split; dt a bf16
+    slice of the input projection; A = -(1..h), D and dt_bias (dt of 0.001 to 0.1 through
+    softplus) float32 parameters."""
+    d, conv_dim = h * p, h * p + 2 * g * n
+    conv_out = F.silu(torch.randn(b, conv_dim, l)).to(DEVICE, torch.bfloat16).transpose(1, 2)
+    x, B, C = torch.split(conv_out, [d, g * n, g * n], dim=-1)
+    projection = (torch.randn(b, l, conv_dim + h) * 0.5).to(DEVICE, torch.bfloat16)
+    dt0 = torch.exp(torch.rand(h) * (math.log(0.1) - math.log(0.001)) + math.log(0.001))
+    return {
+        "x": x.reshape(b, l, h, p), "dt": projection[..., conv_dim:],
+        "A": -torch.arange(1, h + 1, dtype=torch.float32, device=DEVICE),
+        "B": B.reshape(b, l, g, n), "C": C.reshape(b, l, g, n),
+        "D": torch.ones(h, device=DEVICE), "dt_bias": (dt0 + torch.log(-torch.expm1(-dt0))).to(DEVICE),
+    }
+
+
+def test_bf16_zamba2_layout(fresh_seed):
+    """bf16 in Zamba2's layout (one group per head, dstate 32): finite gradients within bf16
+    tolerance of float64. On an H200 (Triton 3.6) the benchmark's shape gave NaN dC and ddt
+    before the backward's state blocks were widened to 64 (MIN_SPLIT_BLOCK_N); the CPU
+    interpreter never showed it (a GPU code-generation fault), so the GPU runs that shape."""
+    if DEVICE == "cuda":
+        b, l, h, p, g, n, chunk = 16, 512, 8, 64, 8, 32, 256  # benchmarks/small_models.py zamba2
+    else:
+        b, l, h, p, g, n, chunk = 2, 48, 8, 16, 8, 32, 16
+    inputs = zamba2_layout_inputs(b, l, h, p, g, n)
+    assert not inputs["x"].is_contiguous() and inputs["D"].dtype == torch.float32
+    check_against_sequential(inputs, chunk, dict(dt_softplus=True, dt_limit=(1e-3, math.inf)),
+                             BF16_TOL, BF16_TOL)
+
+
+def test_backward_state_blocks_at_least_64(fresh_seed, monkeypatch):
+    """The dx/dB and dC kernels run state blocks of at least MIN_SPLIT_BLOCK_N = 64 for any
+    dstate: 32-wide blocks miscompiled on sm_90 (see ssd_scan_bwd). The interpreter cannot
+    show that fault, so this pins the launch instead."""
+    from ssmshard.kernels import ssd_scan_bwd
+
+    widths = []
+    for name in ("dx_dB", "dC"):
+        kernel = getattr(ssd_scan_bwd, name)
+
+        def recording(grid, _kernel=kernel, **kwargs):
+            widths.append(kwargs["BLOCK_N"])
+            return _kernel(grid, **kwargs)
+
+        monkeypatch.setattr(ssd_scan_bwd, name, recording)
+    inputs = make_inputs(1, 16, 2, 8, 2, 16, z=False, dtype=torch.bfloat16)
+    check_against_sequential(inputs, 16, dict(dt_softplus=True), BF16_TOL, BF16_TOL)
+    assert widths and min(widths) >= 64, widths
 
 
 # The chunk-output kernel lets exp overflow above the diagonal (j > i) and selects those

@@ -413,6 +413,16 @@ dC = TunableKernel(
     clamp=_clamp_block,
 )
 
+# State-size block of the dx/dB and dC kernels: at least 64 wide. With bf16 inputs and a
+# 32-wide block (dstate 32, Zamba2's layout g = h = 8, p = 64, b=16 x 512, chunk 256, H200,
+# Triton 3.6), autotuned runs gave NaN in dC and ddt; forcing config 0 of every kernel (in
+# particular ssd_dC_kernel's {BLOCK: 64, num_warps: 8, num_stages: 1}) gave NaN, configs 1
+# and 2 were finite; at g = 1 autotuning ssd_dC_kernel hit an illegal memory access. The
+# same run at dstate 64 was finite, fp32 inputs were finite, and the CPU interpreter
+# computes the 32-wide kernels correctly: a fault of the GPU build at that block width, not
+# of the kernels' arithmetic. A 64-wide block compiles the kernels dstate 64 uses; the masks
+# on n keep the extra columns zero in loads and out of stores.
+MIN_SPLIT_BLOCK_N = 64
 # Aim for this many programs in the dx/dB and dC kernels when choosing head splits.
 _TARGET_PROGRAMS = 1024
 _MAX_HEAD_SPLITS = 16
@@ -485,7 +495,7 @@ def ssd_backward(dout, dfinal, x, dt, A, B, C, D, z, ypre, init, table: ChunkTab
         stride_B_t=B.stride(0), stride_B_g=B.stride(1), stride_B_n=B.stride(2),
         stride_C_t=C.stride(0), stride_C_g=C.stride(1), stride_C_n=C.stride(2),
         stride_dy_t=dy_src.stride(0), stride_dy_h=dy_src.stride(1), stride_dy_p=dy_src.stride(2),
-        BLOCK_P=next_pow2(p), BLOCK_N=next_pow2(n), **common,
+        BLOCK_P=next_pow2(p), BLOCK_N=next_pow2(n, floor=MIN_SPLIT_BLOCK_N), **common,
     )
 
     def split_grid(meta):
