@@ -36,8 +36,8 @@ def test_static_kv_decode_generates_hf_tokens(tp, families, tmp_path, fresh_seed
             assert batch["dynamic"] == batch["hf"], where
             assert batch["sized"] == batch["hf"], f"{where}: ours {batch['sized']} vs HF {batch['hf']}"
             assert batch.get("roomy", batch["hf"]) == batch["hf"], f"{where}: ours {batch['roomy']} vs HF {batch['hf']}"
-        assert "roomy" in r["batches"][0], where
             assert batch["same_on_all_ranks"], where
+        assert "roomy" in r["batches"][0], where
         error = r["too_long_error"]
         assert error.startswith("ValueError") and "static key/value buffers of 16 positions" in error, (where, error)
         assert f"max_length={12 + static_kv_worker.NEW_TOKENS}" in error, (where, error)
