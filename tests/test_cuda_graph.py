@@ -56,7 +56,7 @@ def test_graphed_decode_generates_the_eager_and_hf_tokens(family, fresh_seed):
 def test_graphed_static_kv_decode_generates_the_eager_and_hf_tokens(family, fresh_seed):
     """Attention models graph their decode over static key/value buffers: the graph's tokens are
     the eager static step's, the dynamic cache's and HF's; a second generation replays the same
-    graph (prefill's states copied into its buffers), and dm.generate graphs it by default."""
+    graph (prefill's states copied into its buffers)."""
     model = small_model(family).cuda()
     try:
         kernels = [("swap_kernels", {"kernels": "triton"})]
@@ -71,8 +71,6 @@ def test_graphed_static_kv_decode_generates_the_eager_and_hf_tokens(family, fres
         graphed_step = GraphedDecode(static, length)
         graphed = generate(prefill, graphed_step, ids, mask, **options)
         again = generate(prefill, graphed_step, ids, mask, **options)  # replays the captured graph
-        dm = ssmshard.parallelize(model, ssmshard.Plan(tp=1)) if torch.distributed.is_initialized() else None
-        by_default = dm.generate(ids, mask, **options) if dm is not None else graphed
         with torch.no_grad():
             hf = model.generate(ids, attention_mask=mask, do_sample=False, **options)
     finally:
@@ -82,7 +80,20 @@ def test_graphed_static_kv_decode_generates_the_eager_and_hf_tokens(family, fres
     assert torch.equal(dynamic, hf), where
     assert torch.equal(graphed, eager), where
     assert torch.equal(again, eager), where
-    assert torch.equal(by_default, eager), where
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("family", ["zamba2", "llama"])
+def test_dm_generate_graphs_attention_decode_over_static_buffers(family, tmp_path, fresh_seed):
+    """dm.generate(cuda_graph=True) at tp = 1 graphs an attention model's decode over static
+    key/value buffers (static_kv="auto"): the eager growing cache's tokens, capture and replay."""
+    import json
+
+    out = tmp_path / "tokens.json"
+    ssmshard.launch(generate_worker.graphed_vs_eager, 1, family, fresh_seed, str(out), backend="nccl")
+    tokens = json.loads(out.read_text())
+    assert tokens["static_graph"], family
+    assert tokens["graphed"] == tokens["eager"] and tokens["again"] == tokens["eager"], (family, fresh_seed)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor-parallel CUDA graphs need 2 GPUs")
