@@ -26,7 +26,8 @@ def static_kv_results(rank, world, families, seed, out_path):
             ids, mask = left_padded_prompts(model.config.vocab_size, lengths, seed + index)
             if index == 0:
                 # Generation too long for the buffers: refused before the static program is built.
-                result["too_long_error"] = error_of(lambda: dm.generate(ids, mask, static_kv=ids.shape[1] + 4, **options))
+                too_short = ids.shape[1] + 4
+                result["too_long_error"] = error_of(lambda: dm.generate(ids, mask, static_kv=too_short, **options))
                 result["built_after_error"] = "static_decode" in (dm._generation or {})
             hf = hf_reference(lambda: model.generate(ids, attention_mask=mask, do_sample=False, **options))
             dynamic = dm.generate(ids, mask, static_kv=False, **options)

@@ -240,7 +240,8 @@ class DistributedModule(torch.nn.Module):
             raise ValueError(f"cuda_graph must be True, False or 'auto', got {cuda_graph!r}")
         fixed_length = type(static_kv) is int
         if not (static_kv in (True, False, "auto") or (fixed_length and static_kv > 0)):
-            raise ValueError(f"static_kv must be True, False, 'auto' or a positive number of positions, got {static_kv!r}")
+            raise ValueError(f"static_kv must be True, False, 'auto' or a positive number of positions, "
+                             f"got {static_kv!r}")
         attention = has_growing_states(decode)
         if static_kv not in (False, "auto") and not attention:
             raise ValueError(f"static_kv={static_kv!r}: {decode.family} has no attention keys/values; its decode "
