@@ -23,8 +23,8 @@ ATTENTION_FAMILIES = ["zamba", "zamba2", "llama"]
 def test_static_kv_decode_generates_hf_tokens(tp, families, tmp_path, fresh_seed):
     """dm.generate(static_kv=True | N) gives exactly HF's greedy tokens and the dynamic cache's, for
     two left-padded batches of prompts of different lengths, with buffers sized exactly and with
-    unfilled slots to hide; a generation longer than the buffers is refused before the static
-    program is built, with the sizes in the message."""
+    unfilled slots to hide; a generation longer than the buffers is refused before any program is
+    built, with the sizes in the message."""
     out = tmp_path / "static_kv.json"
     ssmshard.launch(static_kv_worker.static_kv_results, tp, families, fresh_seed, str(out))
     results = json.loads(out.read_text())

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from ..capture import capture
 from ..packing import PackedBatch
 from ..comm import all_reduce, register_group
-from ..families import build_meta_model
+from ..families import build_meta_model, family_of
 from ..placement import Shard, local_slice
 from ..plan import Plan, PlanError
 from .checkpoint import SafetensorsCheckpoint, match_checkpoint, read_local_weights
@@ -216,8 +216,9 @@ class DistributedModule(torch.nn.Module):
         if self._model is None:
             raise RuntimeError("this DistributedModule was built without its model; generation needs it")
         setup = prepare_generation(self._model, input_ids, attention_mask, **arguments)
+        static_length = self._static_kv_length(setup, cuda_graph, static_kv)  # before any program is built
         prefill, decode = self.generation_programs()
-        step = self._decode_step(decode, setup, cuda_graph, static_kv)
+        step = self._decode_step(decode, setup, cuda_graph, static_length)
         return run_generation(prefill, step, setup, group=_group_of(self.program), generator=generator,
                               chunk_program=self._chunk_program_for(setup.input_ids, setup.prefill_chunk_size))
 
@@ -230,11 +231,10 @@ class DistributedModule(torch.nn.Module):
         """The chunk program when this prompt is longer than ``chunk_size`` (captured only then)."""
         return self.chunk_program() if chunk_size is not None and input_ids.shape[1] > chunk_size else None
 
-    def _decode_step(self, decode, setup, cuda_graph, static_kv):
-        """The decode step ``generate`` runs for ``setup``: ``decode`` itself, the static-K/V step
-        (eager), or a CUDA graph of either. Every choice and size check happens before any work."""
-        from .cuda_graph import GraphedDecode, why_not_graphable
-        from .static_kv import StaticKVDecode, check_static_length, has_growing_states, positions_needed
+    def _static_kv_length(self, setup, cuda_graph, static_kv):
+        """Positions of the static key/value buffers ``generate`` decodes over for ``setup``, or
+        None for the growing cache: every argument and size checked before any work."""
+        from .static_kv import check_static_length, positions_needed
 
         if cuda_graph not in (True, False, "auto"):
             raise ValueError(f"cuda_graph must be True, False or 'auto', got {cuda_graph!r}")
@@ -242,18 +242,30 @@ class DistributedModule(torch.nn.Module):
         if not (static_kv in (True, False, "auto") or (fixed_length and static_kv > 0)):
             raise ValueError(f"static_kv must be True, False, 'auto' or a positive number of positions, "
                              f"got {static_kv!r}")
-        attention = has_growing_states(decode)
-        if static_kv not in (False, "auto") and not attention:
-            raise ValueError(f"static_kv={static_kv!r}: {decode.family} has no attention keys/values; its decode "
-                             "states have fixed shapes already (leave static_kv unset)")
+        family = family_of(self._model)
+        if not family.has_attention:
+            if static_kv not in (False, "auto"):
+                raise ValueError(f"static_kv={static_kv!r}: {family.class_name} has no attention keys/values; its "
+                                 "decode states have fixed shapes already (leave static_kv unset)")
+            return None
+        on_cuda = all(w.is_cuda for w in self._local_weights().values())
+        wants_graph = cuda_graph is True or (cuda_graph == "auto" and on_cuda)
+        if static_kv is False or (static_kv == "auto" and not wants_graph):
+            return None
+        prompt, max_length = setup.input_ids.shape[1], setup.config.max_length
+        length = static_kv if fixed_length else positions_needed(prompt, max_length)
+        check_static_length(length, prompt, max_length)
+        return length
+
+    def _decode_step(self, decode, setup, cuda_graph, length):
+        """The decode step ``generate`` runs for ``setup``: ``decode`` itself, the static-K/V step
+        over buffers of ``length`` positions (eager), or a CUDA graph of either."""
+        from .cuda_graph import GraphedDecode, why_not_graphable
+        from .static_kv import StaticKVDecode
+
         weights = self._local_weights()
         on_cuda = all(w.is_cuda for w in weights.values())
-        wants_graph = cuda_graph is True or (cuda_graph == "auto" and on_cuda)
-        length = None
-        if attention and (static_kv not in (False, "auto") or (static_kv == "auto" and wants_graph)):
-            prompt, max_length = setup.input_ids.shape[1], setup.config.max_length
-            length = static_kv if fixed_length else positions_needed(prompt, max_length)
-            check_static_length(length, prompt, max_length)
+        if length is not None:
             decode = self.static_decode_program()
         eager = StaticKVDecode(decode, length) if length is not None else decode
         if cuda_graph is False:
