@@ -15,6 +15,13 @@ Three modes, each a pure function of its inputs (weights are graph inputs too):
                  -> (last logits, states)``: prefill continued from states, so a long prompt
                  can be prefilled chunk by chunk (``runtime.generate.prefill``)
 
+``capture(model, mode="decode", static_kv=True)`` gives a decode step over static key/value
+buffers: ``(input_ids[b, 1], attention_mask[b, max_len], position_ids[b, 1], states,
+cache_position[]) -> (logits, states)``, each key/value state (b, kv_heads, max_len, head_dim)
+whatever the past, the new token's key/value written at ``cache_position`` and attention run
+over the whole buffer (``runtime/static_kv.py``, docs/static_kv.md). Every input keeps its
+shape from step to step, so the step can be a CUDA graph.
+
 Prefill and decode see the inputs Hugging Face ``generate`` builds for each step (left
 padding masks, position ids), so they decode token for token like it.
 
@@ -113,6 +120,28 @@ class _Decode(torch.nn.Module):
 
     def forward(self, input_ids, attention_mask, position_ids, states):
         cache = rebuild_cache(self.template, states)
+        inputs = _generation_inputs(self.model, input_ids, attention_mask, position_ids, False,
+                                    next_sequence_length=1, **{self.cache_kwarg: cache})
+        out = self.model(**inputs)
+        return out.logits, *flatten_states(cache)
+
+
+class _StaticDecode(_Decode):
+    """``(input_ids[b, 1], attention_mask[b, max_len], position_ids[b, 1], states, cache_position[])
+    -> (logits, *states)`` over a Hugging Face ``StaticCache``.
+
+    The cache's own static layers do the work (``index_copy_`` of the new key/value at the
+    cache position, a mask over all ``max_len`` slots), version by version; only their two
+    host-side facts become inputs: the position (a tensor every layer counts from) and the
+    buffer length (read from the key states, so one graph serves every ``max_len``).
+    """
+
+    def forward(self, input_ids, attention_mask, position_ids, states, cache_position):
+        cache = rebuild_cache(self.template, states)
+        for layer in cache.layers:
+            if isinstance(getattr(layer, "keys", None), torch.Tensor) and hasattr(layer, "cumulative_length"):
+                layer.cumulative_length = cache_position.clone()  # the layer advances it in place
+                layer.max_cache_len = layer.keys.shape[2]
         inputs = _generation_inputs(self.model, input_ids, attention_mask, position_ids, False,
                                     next_sequence_length=1, **{self.cache_kwarg: cache})
         out = self.model(**inputs)
@@ -276,19 +305,26 @@ def _example_ids(model, batch, seq, device):
     return ids.to(device)
 
 
-def _state_template(model, cache_kwarg, device):
+def _state_template(model, cache_kwarg, device, static_kv_length=None):
     """A populated HF cache from a tiny eager prefill (meta tensors when the model is on meta).
 
     It tells which state tensors exist, in which order, and is the object decode rebuilds.
+    With ``static_kv_length``, a ``StaticCache`` of that many positions: its layers hold the same
+    states in the same order (static key/value layers where the dynamic cache grows them).
     """
     ids = _example_ids(model, 1, 2, device)
+    extra = {}
+    if static_kv_length is not None:
+        from transformers import StaticCache
+
+        extra[cache_kwarg] = StaticCache(config=model.config, max_cache_len=static_kv_length)
     with torch.no_grad():
-        out = model(input_ids=ids, use_cache=True, return_dict=True)
+        out = model(input_ids=ids, use_cache=True, return_dict=True, **extra)
     return getattr(out, cache_kwarg)
 
 
-def capture(model, *, mode: str = "forward", packed: bool = False, example_batch: int = 2,
-            example_seq: int = 8, verbose: bool = False) -> Program:
+def capture(model, *, mode: str = "forward", packed: bool = False, static_kv: bool = False,
+            example_batch: int = 2, example_seq: int = 8, verbose: bool = False) -> Program:
     """Capture ``model`` (a supported HF ``*ForCausalLM``) as a tagged :class:`Program`.
 
     Batch and sequence (decode: past) lengths are symbolic: one graph serves every shape in
@@ -301,9 +337,14 @@ def capture(model, *, mode: str = "forward", packed: bool = False, example_batch
     ``packed=True`` (forward only) captures a program over packed sequences: called with a
     :class:`~ssmshard.packing.PackedBatch` from ``ssmshard.pack`` (or ``input_ids`` (1, T) and
     ``cu_seqlens=``), it returns the logits of every sequence as if each ran alone.
+
+    ``static_kv=True`` (decode only) captures the decode step over static key/value buffers
+    (see the module docstring): the step a CUDA graph replays for attention models.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if static_kv and mode != "decode":
+        raise ValueError(f"static key/value buffers are for decode programs, not {mode!r}")
     family = family_of(model)
     if packed:
         if mode != "forward":
@@ -312,7 +353,7 @@ def capture(model, *, mode: str = "forward", packed: bool = False, example_batch
     started = time.perf_counter()
     what = f"{family.class_name} ({mode}{', packed' if packed else ''})"
     log.debug("capturing %s", what)
-    program = _capture_one(model, family, mode, example_batch, example_seq, packed)
+    program = _capture_one(model, family, mode, example_batch, example_seq, packed, static_kv=static_kv)
     program.capture_seconds = time.perf_counter() - started
     log.info("captured %s: %d ops in %.1fs", what, program.node_count(), program.capture_seconds)
     program.recapture = lambda user_inputs: _recapture(model, family, program, user_inputs)
@@ -335,7 +376,12 @@ def _recapture(model, family, program, user_inputs) -> Program:
     if program.mode == "decode":
         seq = past  # decode's example length is its past
     log.debug("capturing a %s program for shapes %s", program.mode, [tuple(t.shape) for t in user_inputs[:3]])
-    sibling = _capture_one(model, family, program.mode, batch, seq, program.packed, example_past=past)
+    static_length = None
+    if program.static_kv:  # the mask spans the buffers: trace buffers of its length
+        static_length = user_inputs[1].shape[1]
+        seq = max(1, static_length // 2)
+    sibling = _capture_one(model, family, program.mode, batch, seq, program.packed, example_past=past,
+                           static_kv=program.static_kv, static_length=static_length)
     from .passes import replay
 
     sibling = replay(sibling, program.history)
@@ -345,7 +391,11 @@ def _recapture(model, family, program, user_inputs) -> Program:
     return sibling
 
 
-def _capture_one(model, family, mode, example_batch, example_seq, packed=False, example_past=None) -> Program:
+def _capture_one(model, family, mode, example_batch, example_seq, packed=False, example_past=None,
+                 static_kv=False, static_length=None) -> Program:
+    if static_kv and not family.has_attention:
+        raise ValueError(f"{family.class_name} has no attention: its decode states have fixed shapes already, "
+                         "so it needs no static key/value buffers (capture mode='decode' without static_kv)")
     cache_kw = cache_kwarg(model)
     device = _model_device(model)
     with _capture_context(model, family):
@@ -353,7 +403,11 @@ def _capture_one(model, family, mode, example_batch, example_seq, packed=False, 
         # export narrows their range where the model branches on them, and the Program
         # records the range it serves.
         batch = Dim("batch", min=1)
-        state_template = None if mode == "forward" else _state_template(model, cache_kw, device)
+        # A static decode's example (unless a sibling's length is given): buffers of
+        # 2 * example_seq slots, example_seq of them filled.
+        if static_kv and static_length is None:
+            static_length = 2 * example_seq
+        state_template = None if mode == "forward" else _state_template(model, cache_kw, device, static_length)
         if packed:
             # Batch is 1 by definition; the packed length and the number of sequences vary.
             wrapper = PackedForward(model, family.has_attention)
@@ -375,7 +429,9 @@ def _capture_one(model, family, mode, example_batch, example_seq, packed=False, 
         else:
             # decode: one new token after example_seq; chunk: example_seq new tokens after example_past.
             new_tokens, past = (1, example_seq) if mode == "decode" else (example_seq, example_past or example_seq)
-            if mode == "decode":
+            if static_kv:
+                wrapper = _StaticDecode(model, cache_kw, state_template)
+            elif mode == "decode":
                 wrapper = _Decode(model, cache_kw, state_template)
             else:
                 wrapper = _Chunk(model, cache_kw, state_template, family.scans_need_states,
@@ -385,8 +441,8 @@ def _capture_one(model, family, mode, example_batch, example_seq, packed=False, 
                 shape = list(tensor.shape)
                 shape[0] = example_batch
                 dims = {0: batch}
-                if kind in ("key", "value"):  # (b, kv_heads, past, head_dim)
-                    shape[2] = past
+                if kind in ("key", "value"):  # (b, kv_heads, past or buffer length, head_dim)
+                    shape[2] = static_length or past
                     dims[2] = Dim.AUTO  # a named Dim trips an unprovable stride guard in HF attention
                 states.append(torch.zeros(shape, dtype=tensor.dtype, device=device))
                 dynamic_states.append(dims)
@@ -394,6 +450,11 @@ def _capture_one(model, family, mode, example_batch, example_seq, packed=False, 
             args = (ids, *unpadded_mask_and_positions(ids, past), states)
             new = {0: batch} if mode == "decode" else {0: batch, 1: Dim.AUTO}
             dynamic = (new, {0: batch, 1: Dim.AUTO}, new, dynamic_states)
+            if static_kv:
+                mask, positions = unpadded_mask_and_positions(ids, past)
+                mask = torch.cat([mask, mask.new_zeros(example_batch, static_length - past - 1)], dim=1)
+                args = (ids, mask, positions, states, torch.tensor(past, device=device))
+                dynamic = (*dynamic, None)
         with _layer_progress(model, f"{family.class_name} ({mode})"):
             try:
                 exported = torch.export.export(wrapper, args, dynamic_shapes=dynamic, strict=False)
@@ -412,6 +473,7 @@ def _capture_one(model, family, mode, example_batch, example_seq, packed=False, 
         exported, mode=mode, family=family.name, model=model, state_specs=state_specs,
         capture_device=device, wrapper_prefix="model.", packed=packed,
     )
+    program.static_kv = static_kv
     if packed:
         verify_packed_graph(program)
     from .passes import CAPTURE_PASSES, run_pipeline  # late import: passes import Program

@@ -72,6 +72,9 @@ class Program:
         self.mode = mode
         # Packed forward: user inputs are (input_ids (1, T), cu_seqlens (S+1,)); see packing.py.
         self.packed = packed
+        # Decode over static key/value buffers (capture(static_kv=True)): one more user input,
+        # the cache position, after the states; every input keeps its shape from step to step.
+        self.static_kv = False
         self.family = family
         self.inputs = inputs
         self.param_specs = param_specs
@@ -233,7 +236,7 @@ class Program:
         return "; ".join(parts[:4]) + (" ..." if len(parts) > 4 else "")
 
     def __call__(self, input_ids, states=None, *, attention_mask=None, position_ids=None, cu_seqlens=None,
-                 check_inputs: bool = True):
+                 cache_position=None, check_inputs: bool = True):
         """forward: ``logits``; prefill/decode/chunk: ``(logits, states)``.
 
         ``input_ids`` may be a :class:`~ssmshard.packing.PackedBatch` (or come with
@@ -242,7 +245,10 @@ class Program:
         generation inputs: without ``attention_mask`` the batch is unpadded (decode: past length
         read from the key/value states), without ``position_ids`` positions count from the past.
         ``check_inputs``: check the ids (``inputs.check_input_ids``: shape, dtype, device, range)
-        before running; only callers that produced the ids themselves skip it.
+        before running; only callers that produced the ids themselves skip it. A static-K/V decode
+        program (``static_kv``) takes static states, the mask over all their positions and
+        ``cache_position`` (0-d: the slot of the new token), all required
+        (``runtime.static_kv.StaticKVDecode`` builds them).
         """
         from .inputs import check_input_ids
         from .packing import PackedBatch, packed_call_inputs, refuse_packing_info
@@ -255,6 +261,12 @@ class Program:
         elif self.mode == "forward":
             refuse_packing_info(self.mode, input_ids, cu_seqlens, position_ids)
             user = [input_ids]
+        elif self.static_kv:
+            if attention_mask is None or position_ids is None or cache_position is None or states is None:
+                raise TypeError("a static key/value decode program takes states, attention_mask (over every buffer "
+                                "position), position_ids and cache_position; runtime.static_kv.StaticKVDecode "
+                                "builds them from prefill's states")
+            user = [input_ids, attention_mask, position_ids, *states, cache_position]
         else:
             refuse_packing_info(self.mode, input_ids, cu_seqlens)  # positions are an input here
             stateful = self.mode in ("decode", "chunk")
@@ -266,10 +278,17 @@ class Program:
             elif position_ids is None:
                 _, position_ids = unpadded_mask_and_positions(input_ids, attention_mask.shape[1] - input_ids.shape[1])
             user = [input_ids, attention_mask, position_ids, *states]
-        target = self.for_shapes(user)
-        outputs = target.graph_module(*target.weight_args(), *user)
         if self.mode == "forward":
+            target = self.for_shapes(user)
+            outputs = target.graph_module(*target.weight_args(), *user)
             return outputs[0] if isinstance(outputs, (tuple, list)) else outputs
+        return self.run(user)
+
+    def run(self, user_inputs) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``(logits, states)`` of a prefill/decode/chunk graph on its user inputs, as the graph
+        orders them (the graph of ``program.siblings`` that serves their shapes)."""
+        target = self.for_shapes(user_inputs)
+        outputs = target.graph_module(*target.weight_args(), *user_inputs)
         return outputs[0], list(outputs[1:])
 
     @property

@@ -122,4 +122,6 @@ def graphed_vs_eager(rank, world, family, seed, out_path):
     again = dm.generate(ids, mask, max_new_tokens=20, pad_token_id=PAD, cuda_graph=True)
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump({"eager": eager.tolist(), "graphed": graphed.tolist(), "again": again.tolist()}, f)
+            json.dump({"eager": eager.tolist(), "graphed": graphed.tolist(), "again": again.tolist(),
+                       # Attention models graph the step over static key/value buffers.
+                       "static_graph": all(g.static is not None for g in dm._decode_graphs.values())}, f)

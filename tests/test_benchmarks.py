@@ -4,7 +4,9 @@ A smoke run checks the script end to end at tiny sizes (the Triton kernels on th
 interpreter, processes on gloo): it writes its JSON, and its plot where matplotlib is installed
 (the `bench` extra). Its timings mean nothing. generate_gpu.py, train_packed.py and
 train_small_models.py have their own smoke tests (tests/test_generate_bench.py,
-tests/test_train_packed_bench.py, tests/test_train_small_models.py).
+tests/test_train_packed_bench.py, tests/test_train_small_models.py); static_kv_decode_gpu.py's
+smoke mode (the eager decode variants of tiny Zamba2 and Llama) takes minutes on the CPU and is
+only checked to answer --help here.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "benchmarks")
-SCRIPTS = ["allreduce_gpu.py", "bench_capture.py", "bench_selective_scan.py", "bench_ssd_scan.py", "bench_causal_conv1d.py",
-           "generate_gpu.py", "tp_gpu.py", "train_packed.py", "train_small_models.py"]
+SCRIPTS = ["allreduce_gpu.py", "bench_capture.py", "bench_selective_scan.py", "bench_ssd_scan.py",
+           "bench_causal_conv1d.py", "generate_gpu.py", "static_kv_decode_gpu.py", "tp_gpu.py", "train_packed.py",
+           "train_small_models.py"]
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 

@@ -8,6 +8,7 @@ import ssmshard
 from ssmshard.passes import run_pipeline
 from ssmshard.runtime.cuda_graph import GraphedDecode, why_not_graphable
 from ssmshard.runtime.generate import generate
+from ssmshard.runtime.static_kv import StaticKVDecode
 
 from conftest import small_model
 import generate_worker
@@ -50,10 +51,56 @@ def test_graphed_decode_generates_the_eager_and_hf_tokens(family, fresh_seed):
     assert torch.equal(eager, hf), where
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("family", ["zamba", "zamba2", "llama"])
+def test_graphed_static_kv_decode_generates_the_eager_and_hf_tokens(family, fresh_seed):
+    """Attention models graph their decode over static key/value buffers: the graph's tokens are
+    the eager static step's, the dynamic cache's and HF's; a second generation replays the same
+    graph (prefill's states copied into its buffers)."""
+    model = small_model(family).cuda()
+    try:
+        kernels = [("swap_kernels", {"kernels": "triton"})]
+        prefill, decode = (run_pipeline(ssmshard.capture(model, mode=mode), kernels) for mode in ("prefill", "decode"))
+        static = run_pipeline(ssmshard.capture(model, mode="decode", static_kv=True), kernels)
+        ids, mask = left_padded_prompts(model.config.vocab_size, (5, 12, 9), fresh_seed)
+        ids, mask = ids.cuda(), mask.cuda()
+        options = dict(max_new_tokens=20, pad_token_id=PAD)
+        length = ids.shape[1] + 24  # unfilled slots too
+        dynamic = generate(prefill, decode, ids, mask, **options)
+        eager = generate(prefill, StaticKVDecode(static, length), ids, mask, **options)
+        graphed_step = GraphedDecode(static, length)
+        graphed = generate(prefill, graphed_step, ids, mask, **options)
+        again = generate(prefill, graphed_step, ids, mask, **options)  # replays the captured graph
+        with torch.no_grad():
+            hf = model.generate(ids, attention_mask=mask, do_sample=False, **options)
+    finally:
+        model.cpu()
+    where = f"{family} (seed {fresh_seed})"
+    assert torch.equal(eager, hf), where
+    assert torch.equal(dynamic, hf), where
+    assert torch.equal(graphed, eager), where
+    assert torch.equal(again, eager), where
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("family", ["zamba2", "llama"])
+def test_dm_generate_graphs_attention_decode_over_static_buffers(family, tmp_path, fresh_seed):
+    """dm.generate(cuda_graph=True) at tp = 1 graphs an attention model's decode over static
+    key/value buffers (static_kv="auto"): the eager growing cache's tokens, capture and replay."""
+    import json
+
+    out = tmp_path / "tokens.json"
+    ssmshard.launch(generate_worker.graphed_vs_eager, 1, family, fresh_seed, str(out), backend="nccl")
+    tokens = json.loads(out.read_text())
+    assert tokens["static_graph"], family
+    assert tokens["graphed"] == tokens["eager"] and tokens["again"] == tokens["eager"], (family, fresh_seed)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor-parallel CUDA graphs need 2 GPUs")
-@pytest.mark.parametrize("family", ["mamba", "mamba2"])
+@pytest.mark.parametrize("family", ["mamba", "mamba2", "zamba2", "llama"])
 def test_graphed_decode_with_nccl_all_reduces_matches_eager(family, tmp_path, fresh_seed):
-    """At tp = 2 the graph holds the NCCL all-reduces: replays give the eager tokens."""
+    """At tp = 2 the graph holds the NCCL all-reduces: replays give the eager tokens (Zamba2 and
+    Llama: the graph over static key/value buffers, eager over the growing cache)."""
     import json
 
     out = tmp_path / "tokens.json"

@@ -9,10 +9,12 @@ size; the graph reads them and writes the new states back into the same buffers,
 cache never leaves them between steps. NCCL all-reduces inside the graph are captured with it
 (NCCL >= 2.9.6); every rank replays the same graph in the same order.
 
-Graphable decode programs: every state has a fixed shape and the attention mask (which grows
-by one token per step) is not read. That holds for SSM-only models (Mamba, Falcon-Mamba,
-Mamba-2), whose decode step drops the mask. Attention keys/values grow each step: static K/V
-buffers up to a maximum length are not implemented, so hybrids and Llama decode eagerly, and
+Graphable decode programs: every input keeps its shape from step to step. That holds for
+SSM-only models (Mamba, Falcon-Mamba, Mamba-2), whose states have fixed shapes and whose decode
+step drops the mask, and for static-K/V decode programs (``capture(..., static_kv=True)``,
+``runtime/static_kv.py``): attention models (Zamba, Zamba2, Llama) with their keys/values in
+buffers of a maximum length, the mask over all of them and the cache position as inputs.
+A dynamic-cache decode step of an attention model grows its keys/values each step, and
 ``why_not_graphable`` says so.
 """
 
@@ -22,15 +24,19 @@ from typing import Optional
 
 import torch
 
+from .static_kv import StaticKV
+
 
 def why_not_graphable(program) -> Optional[str]:
     """None if ``program`` (a decode program) can be replayed as a CUDA graph, else the reason."""
     if program.mode != "decode":
         return f"only decode programs are graphed, not {program.mode}"
+    if program.static_kv:
+        return None
     growing = sorted({spec.kind for spec in program.state_specs if spec.kind in ("key", "value")})
     if growing:
-        return (f"its attention {'/'.join(growing)} states grow by one token per step (static K/V buffers "
-                "are not implemented)")
+        return (f"its attention {'/'.join(growing)} states grow by one token per step (capture the decode "
+                "program with static_kv=True for static key/value buffers)")
     placeholders = [node for node in program.graph.nodes if node.op == "placeholder"]
     user = [node for node, spec in zip(placeholders, program.inputs) if spec.kind == "user"]
     mask = user[1]  # (input_ids, attention_mask, position_ids, *states)
@@ -45,27 +51,38 @@ class GraphedDecode:
 
     The returned ``logits`` and ``states`` are the graph's static buffers: read them before the
     next call. States passed in that are not those buffers (the prefill's) are copied into them.
+    A static-K/V program needs ``static_length``, its buffers' positions: prefill's keys/values
+    fill their first positions, and each step's growing mask is written into the graph's mask
+    buffer (``static_kv.StaticKV``).
     """
 
-    def __init__(self, program):
+    def __init__(self, program, static_length: Optional[int] = None):
         reason = why_not_graphable(program)
         if reason is not None:
             raise ValueError(f"this {program.family} decode program cannot be replayed as a CUDA graph: {reason}")
+        if program.static_kv and static_length is None:
+            raise ValueError("a static key/value decode program is graphed at one buffer length: pass static_length")
         self.program = program
+        self.static = StaticKV(program, static_length) if program.static_kv else None
         self.graph = None
 
     def _capture(self, token, states, attention_mask, position_ids):
-        program = self.program
-        # The sibling graph serving these shapes (the mask is not read, so its length is free).
-        target = program.for_shapes([token, attention_mask, position_ids, *states])
-        self.weights = target.weight_args()
         self.token, self.positions = token.clone(), position_ids.clone()
-        self.mask = attention_mask.clone()
-        self.states = [s.clone() for s in states]
+        if self.static is not None:
+            self.states = self.static.new_states(states)
+            # The mask and cache-position buffers live in self.static; each call rewrites them.
+            inputs = self.static.step_inputs(self.token, self.states, attention_mask, self.positions)
+        else:
+            self.states = [s.clone() for s in states]
+            inputs = [self.token, attention_mask.clone(), self.positions, *self.states]
+        # The sibling graph serving these shapes (an SSM step does not read the mask, so its
+        # length is free; a static-K/V step's inputs keep their shapes).
+        target = self.program.for_shapes(inputs)
+        self.weights = target.weight_args()
         step = target.graph_module
 
         def run():
-            return step(*self.weights, self.token, self.mask, self.positions, *self.states)
+            return step(*self.weights, *inputs)
 
         # Warm up on a side stream (allocator pools, Triton compilation, NCCL communicators)
         # before capture, as torch.cuda.graph requires.
@@ -100,7 +117,11 @@ class GraphedDecode:
             raise ValueError(f"this graph decodes batch {self.token.shape[0]}, got {token.shape[0]}")
         self.token.copy_(token)
         self.positions.copy_(position_ids)
-        if states is not self.states:
+        if self.static is not None:
+            if states is not self.states:
+                self.static.load(self.states, states)
+            self.static.step_inputs(self.token, self.states, attention_mask, self.positions)
+        elif states is not self.states:
             for buffer, state in zip(self.states, states):
                 buffer.copy_(state)
         self.graph.replay()

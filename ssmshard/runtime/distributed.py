@@ -12,7 +12,7 @@ import torch.distributed as dist
 from ..capture import capture
 from ..packing import PackedBatch
 from ..comm import all_reduce, register_group
-from ..families import build_meta_model
+from ..families import build_meta_model, family_of
 from ..placement import Shard, local_slice
 from ..plan import Plan, PlanError
 from .checkpoint import SafetensorsCheckpoint, match_checkpoint, read_local_weights
@@ -127,10 +127,18 @@ class DistributedModule(torch.nn.Module):
             self._generation["chunk"] = self._stateful_program("chunk", prefill)
         return self._bound(self._generation["chunk"])
 
-    def _stateful_program(self, mode, prefill):
+    def static_decode_program(self):
+        """This rank's decode program over static key/value buffers (``runtime/static_kv.py``),
+        on first use: the keys/values sharded by heads as prefill returns them."""
+        prefill, _ = self.generation_programs()
+        if "static_decode" not in self._generation:
+            self._generation["static_decode"] = self._stateful_program("decode", prefill, static_kv=True)
+        return self._bound(self._generation["static_decode"])
+
+    def _stateful_program(self, mode, prefill, **capture_options):
         """A program taking the states as prefill places them, checked to return them alike."""
-        return shard_program(capture(self._model, mode=mode), self._model, self.plan, prefill=prefill,
-                             **self._shard_options)
+        return shard_program(capture(self._model, mode=mode, **capture_options), self._model, self.plan,
+                             prefill=prefill, **self._shard_options)
 
     def _bound(self, program):
         """``program`` reading this module's current local weights, its factory ops on their device."""
@@ -175,7 +183,8 @@ class DistributedModule(torch.nn.Module):
             return prefill(prefill_program, self._chunk_program_for(input_ids, chunk_size), input_ids, mask,
                            positions, chunk_size)
 
-    def generate(self, input_ids, attention_mask=None, *, cuda_graph="auto", generator=None, **arguments):
+    def generate(self, input_ids, attention_mask=None, *, cuda_graph="auto", static_kv="auto", generator=None,
+                 **arguments):
         """``model.generate(input_ids, attention_mask=attention_mask, **arguments)`` on this rank:
         every rank returns the same ids (or HF's output object with ``return_dict_in_generate``).
 
@@ -190,8 +199,14 @@ class DistributedModule(torch.nn.Module):
         ``prefill_chunk_size`` (HF's setting too): prefill longer prompts chunk by chunk,
         bounding activation memory by the chunk. ``cuda_graph``: replay the decode step as a
         CUDA graph over static per-rank state buffers (``ssmshard.runtime.cuda_graph``);
-        ``"auto"`` does where the weights are on CUDA and the model's states have fixed shapes
-        (SSM-only models), and warns once where they do not; ``True`` raises instead.
+        ``"auto"`` does where the weights are on CUDA (attention models over static key/value
+        buffers, see ``static_kv``), and warns once where it cannot; ``True`` raises instead.
+        ``static_kv``: decode attention models (Zamba, Zamba2, Llama) over key/value buffers of
+        a fixed number of positions instead of a growing cache (``ssmshard.runtime.static_kv``):
+        ``True`` sizes them for this generation (the prompt plus ``max_new_tokens``), an int
+        fixes their positions (a ``ValueError`` before any work if the generation could need
+        more), ``False`` keeps the growing cache, ``"auto"`` uses them where the decode step is
+        a CUDA graph. Without CUDA the static step runs eagerly, with the same tokens.
         ``generator``: the random stream sampling draws from on rank 0 (default: torch's global one).
         """
         from .generate import run_generation
@@ -201,8 +216,9 @@ class DistributedModule(torch.nn.Module):
         if self._model is None:
             raise RuntimeError("this DistributedModule was built without its model; generation needs it")
         setup = prepare_generation(self._model, input_ids, attention_mask, **arguments)
+        static_length = self._static_kv_length(setup, cuda_graph, static_kv)  # before any program is built
         prefill, decode = self.generation_programs()
-        step = self._graphed_decode(decode, setup.input_ids.shape[0], cuda_graph) or decode
+        step = self._decode_step(decode, setup, cuda_graph, static_length)
         return run_generation(prefill, step, setup, group=_group_of(self.program), generator=generator,
                               chunk_program=self._chunk_program_for(setup.input_ids, setup.prefill_chunk_size))
 
@@ -215,16 +231,45 @@ class DistributedModule(torch.nn.Module):
         """The chunk program when this prompt is longer than ``chunk_size`` (captured only then)."""
         return self.chunk_program() if chunk_size is not None and input_ids.shape[1] > chunk_size else None
 
-    def _graphed_decode(self, decode, batch, cuda_graph):
-        """The CUDA-graph decode step for ``batch`` rows, or None to decode eagerly."""
-        from .cuda_graph import GraphedDecode, why_not_graphable
+    def _static_kv_length(self, setup, cuda_graph, static_kv):
+        """Positions of the static key/value buffers ``generate`` decodes over for ``setup``, or
+        None for the growing cache: every argument and size checked before any work."""
+        from .static_kv import check_static_length, positions_needed
 
         if cuda_graph not in (True, False, "auto"):
             raise ValueError(f"cuda_graph must be True, False or 'auto', got {cuda_graph!r}")
-        if cuda_graph is False:
+        fixed_length = type(static_kv) is int
+        if not (static_kv in (True, False, "auto") or (fixed_length and static_kv > 0)):
+            raise ValueError(f"static_kv must be True, False, 'auto' or a positive number of positions, "
+                             f"got {static_kv!r}")
+        family = family_of(self._model)
+        if not family.has_attention:
+            if static_kv not in (False, "auto"):
+                raise ValueError(f"static_kv={static_kv!r}: {family.class_name} has no attention keys/values; its "
+                                 "decode states have fixed shapes already (leave static_kv unset)")
             return None
+        on_cuda = all(w.is_cuda for w in self._local_weights().values())
+        wants_graph = cuda_graph is True or (cuda_graph == "auto" and on_cuda)
+        if static_kv is False or (static_kv == "auto" and not wants_graph):
+            return None
+        prompt, max_length = setup.input_ids.shape[1], setup.config.max_length
+        length = static_kv if fixed_length else positions_needed(prompt, max_length)
+        check_static_length(length, prompt, max_length)
+        return length
+
+    def _decode_step(self, decode, setup, cuda_graph, length):
+        """The decode step ``generate`` runs for ``setup``: ``decode`` itself, the static-K/V step
+        over buffers of ``length`` positions (eager), or a CUDA graph of either."""
+        from .cuda_graph import GraphedDecode, why_not_graphable
+        from .static_kv import StaticKVDecode
+
         weights = self._local_weights()
         on_cuda = all(w.is_cuda for w in weights.values())
+        if length is not None:
+            decode = self.static_decode_program()
+        eager = StaticKVDecode(decode, length) if length is not None else decode
+        if cuda_graph is False:
+            return eager
         reason = why_not_graphable(decode) if on_cuda else "the weights are not on a CUDA device"
         if reason is not None:
             if cuda_graph is True:
@@ -233,10 +278,13 @@ class DistributedModule(torch.nn.Module):
             if on_cuda and not self._warned_eager_decode:
                 warnings.warn(f"decoding eagerly (one kernel launch at a time): {reason}", stacklevel=3)
                 self._warned_eager_decode = True
-            return None
+            return eager
+        # One graph per batch size: a new buffer length replaces it (its buffers go with it).
+        batch = setup.input_ids.shape[0]
         graphed = self._decode_graphs.get(batch)
-        if graphed is None or not graphed.reads_weights(weights):
-            graphed = self._decode_graphs[batch] = GraphedDecode(decode)
+        if (graphed is None or not graphed.reads_weights(weights) or graphed.program is not decode
+                or (length is not None and graphed.static.length != length)):
+            graphed = self._decode_graphs[batch] = GraphedDecode(decode, length)
         return graphed
 
 

@@ -2,6 +2,8 @@
 
 HF's state caches allocate buffers with ``zeros``/``new_zeros`` and copy new states into
 them: a buffer that receives a sharded state is allocated at its local size (``localize``).
+A static cache writes each new token's keys/values into its buffers at the cache position
+(``index_copy``).
 """
 
 from __future__ import annotations
@@ -42,6 +44,22 @@ def copy_(cx, node):
         cx.want(node, dst, ps)
         return ps
     cx.fail(node, f"copies a {ps} value into a {pd} buffer")
+
+
+@rule(aten.index_copy_.default, aten.index_copy.default)
+def index_copy(cx, node):
+    """``dst.index_copy_(dim, index, src)``: a static key/value cache writes the new token at the
+    cache position. Each rank writes its own heads: ``dst`` and ``src`` cut alike, never along
+    ``dim``, the positions the same on every rank."""
+    dst, dim, index, src = node.args[:4]
+    pd, ps = cx.placement(dst), cx.placement(src)
+    if not isinstance(cx.placement(index), Replicate):
+        cx.fail(node, f"the positions written are {cx.placement(index)}, not the same on every rank")
+    if isinstance(pd, Shard) and pd.dim == dim % len(shape(dst)):
+        cx.fail(node, f"writes along dim {dim}, which {pd} splits")
+    if not same_data(pd, ps):
+        cx.fail(node, f"writes a {ps} value into a {pd} buffer")
+    return pd
 
 
 @rule(aten.sym_size.int)
