@@ -10,6 +10,10 @@ VENV_OLDEST := .venv-transformers-$(OLDEST_TRANSFORMERS)
 # already-satisfied torch keeps `pip install -e .` from pulling a CUDA build.
 TORCH  := torch==2.13.0
 PIP_QUIET := --quiet --disable-pip-version-check
+# Test processes (pytest-xdist). Multi-rank tests start their own processes on top, so more
+# workers than cores only adds contention; the slowest tests are listed at the end of a run.
+JOBS   ?= 2
+PYTEST_OPTS := -n $(JOBS) --dist worksteal --durations=25
 
 .PHONY: venv demo test test-newest test-oldest clean
 
@@ -34,10 +38,10 @@ demo: venv
 test: test-newest test-oldest
 
 test-newest: venv
-	$(VPY) -m pytest tests
+	$(VPY) -m pytest tests $(PYTEST_OPTS)
 
 test-oldest: $(VENV_OLDEST)/.stamp
-	$(VENV_OLDEST)/bin/python -m pytest tests -m compat
+	$(VENV_OLDEST)/bin/python -m pytest tests -m compat $(PYTEST_OPTS)
 
 clean:
 	rm -rf $(VENV) $(VENV_OLDEST) *.egg-info .pytest_cache
