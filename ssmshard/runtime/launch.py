@@ -76,7 +76,7 @@ def _validate(fn, nprocs, args, backend) -> tuple[str, bytes]:
         raise TypeError(f"fn must be callable as fn(rank, world_size, *args), got {type(fn).__name__}")
     main = sys.modules.get("__main__")
     if getattr(fn, "__module__", None) == "__main__" and not getattr(main, "__file__", None):
-        raise ValueError(f"fn {getattr(fn, '__qualname__', fn)!r} is defined in an interactive session; ranks "
+        raise ValueError(f"fn {getattr(fn, '__qualname__', fn)!r} is defined in an interactive interpreter; ranks "
                          "start as new processes that cannot see it: define it in a module (a .py file)")
     try:
         payload = pickle.dumps((fn, args))
