@@ -57,6 +57,11 @@ class Plan:
     (the ``quantize_sync`` pass; docs/quantized_sync.md). ``quantize_min_bytes``: a call whose
     message is smaller stays exact (decided per call; decode's small messages stay exact by
     default). ``quantize_block``: values per scale (32, 64 or 128).
+
+    ``tsp``: tensor and sequence parallelism on one axis of ``tsp`` ranks (docs/tsp.md): each rank
+    holds ``1/tsp`` of every sharded weight (the layout ``tp=tsp`` gives) and ``1/tsp`` of the
+    tokens of every forward program (scoring, training); weights are gathered where they are
+    read, states and halos pass between ranks along the sequence. ``tp`` is set to ``tsp``.
     """
 
     tp: int = 1
@@ -70,16 +75,37 @@ class Plan:
     quantize_syncs: object = None
     quantize_min_bytes: int = 1 << 20
     quantize_block: int = 64
+    tsp: int = 1
 
     def __post_init__(self):
         if not isinstance(self.tp, int) or self.tp < 1:
             raise PlanError(f"tp must be a positive integer, got {self.tp!r}")
+        if not isinstance(self.tsp, int) or self.tsp < 1:
+            raise PlanError(f"tsp must be a positive integer, got {self.tsp!r}")
+        if self.tsp > 1:
+            self._check_tsp()
         if self.kernels not in ("auto", "triton", "reference"):
             raise PlanError(f"kernels must be 'auto', 'triton' or 'reference', got {self.kernels!r}")
         if self.quantize_syncs is not None:
             from .passes.quantize_sync import normalize_choice
 
             normalize_choice(self.quantize_syncs, self.quantize_block, self.quantize_min_bytes)
+
+    def _check_tsp(self):
+        """TSP is one mesh axis with its own schedule: what it cannot combine with, up front."""
+        if self.tp not in (1, self.tsp):
+            raise PlanError(f"Plan(tsp={self.tsp}) folds tensor parallelism into the same {self.tsp} ranks; "
+                            f"tp={self.tp} cannot be added (leave tp out or set tp={self.tsp})")
+        conflicts = [name for name, on in (("sequence_parallel", self.sequence_parallel),
+                                           ("policy", self.policy is not None),
+                                           ("quantize_syncs", self.quantize_syncs is not None)) if on]
+        if conflicts:
+            raise PlanError(f"Plan(tsp=...) has no all-reduce sync points or reduce policy; remove "
+                            f"{', '.join(conflicts)} (they apply to Plan(tp=...))")
+        if self.kernels == "triton":
+            raise PlanError("Plan(tsp=...) runs the torch reference scans (the sequence-sharded state passing "
+                            "is not wired to the Triton kernels); use kernels='auto' or 'reference'")
+        self.tp = self.tsp
 
     def policy_for(self, mode: str):
         """A fresh reduce policy for a program of ``mode`` (policies keep per-program state)."""
@@ -100,6 +126,8 @@ class Plan:
         and the runtime both go through it."""
         from .passes.shard import sharding_steps
 
+        if self.tsp > 1:
+            return self._tsp_pipeline(mode, placements=placements, rank=rank, group=group)
         options = {"placements": placements, "rank": rank, "tp": self.tp, "group": group,
                    "training": self.training, "policy": self.policy_for(mode),
                    "input_placements": input_placements or {}}
@@ -111,13 +139,20 @@ class Plan:
             steps.append(("swap_kernels", {"kernels": "triton"}))
         return steps
 
+    def _tsp_pipeline(self, mode: str, *, placements, rank: int, group: str) -> list:
+        if mode != "forward":
+            raise PlanError(f"Plan(tsp={self.tsp}) shards forward programs (scoring, training); a {mode} program "
+                            "(generation) is not supported under TSP: generate with Plan(tp=...) (docs/tsp.md)")
+        return [("tsp", {"placements": placements, "rank": rank, "tsp": self.tsp, "group": group,
+                         "training": self.training})]
+
     def kernel_choice(self, device: torch.device) -> str:
         """"triton" or "reference" for weights on ``device``; Triton needs CUDA tensors."""
         if self.kernels == "triton" and device.type != "cuda":
             raise PlanError(f"Plan(kernels='triton') needs the weights on a CUDA device, not {device}; "
                             "use kernels='auto' or 'reference' on the CPU")
         if self.kernels == "auto":
-            return "triton" if device.type == "cuda" else "reference"
+            return "triton" if device.type == "cuda" and self.tsp == 1 else "reference"
         return self.kernels
 
     def all_rules(self, family) -> list[Rule]:
