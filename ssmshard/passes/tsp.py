@@ -145,9 +145,9 @@ class _Rewriter:
                                     "sequence (it carries state across tokens); run this model with Plan(tp=...)")
             if replacement is None:
                 continue
-            fn, args = replacement
+            fn, args, *kwargs = replacement
             with self.graph.inserting_before(node):
-                new = self.call(fn, args, node, kwargs=replacement[2] if len(replacement) > 2 else None)
+                new = self.call(fn, args, node, kwargs=kwargs[0] if kwargs else None)
             node.replace_all_uses_with(new)
             self.graph.erase_node(node)
 
