@@ -62,6 +62,7 @@ class Plan:
     holds ``1/tsp`` of every sharded weight (the layout ``tp=tsp`` gives) and ``1/tsp`` of the
     tokens of every forward program (scoring, training); weights are gathered where they are
     read, states and halos pass between ranks along the sequence. ``tp`` is set to ``tsp``.
+    Generation (prefill, decode) runs the tensor-parallel programs over the same shards.
     """
 
     tp: int = 1
@@ -126,8 +127,8 @@ class Plan:
         and the runtime both go through it."""
         from .passes.shard import sharding_steps
 
-        if self.tsp > 1:
-            return self._tsp_pipeline(mode, placements=placements, rank=rank, group=group)
+        if self.tsp > 1 and mode == "forward":
+            return self._tsp_pipeline(placements=placements, rank=rank, group=group)
         options = {"placements": placements, "rank": rank, "tp": self.tp, "group": group,
                    "training": self.training, "policy": self.policy_for(mode),
                    "input_placements": input_placements or {}}
@@ -139,10 +140,10 @@ class Plan:
             steps.append(("swap_kernels", {"kernels": "triton"}))
         return steps
 
-    def _tsp_pipeline(self, mode: str, *, placements, rank: int, group: str) -> list:
-        if mode != "forward":
-            raise PlanError(f"Plan(tsp={self.tsp}) shards forward programs (scoring, training); a {mode} program "
-                            "(generation) is not supported under TSP: generate with Plan(tp=...) (docs/tsp.md)")
+    def _tsp_pipeline(self, *, placements, rank: int, group: str) -> list:
+        """A forward program under TSP. Generation programs (prefill, decode, chunk) of a TSP plan
+        are the plain tensor-parallel ones over the same weight shards (the layouts are the same
+        by construction): docs/tsp.md."""
         return [("tsp", {"placements": placements, "rank": rank, "tsp": self.tsp, "group": group,
                          "training": self.training})]
 

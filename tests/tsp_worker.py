@@ -8,6 +8,7 @@ import torch
 
 import ssmshard
 from ssmshard.placement import Shard, local_slice
+from ssmshard.comm.weights import gather_shards
 from ssmshard.testing import rel_err
 
 from conftest import small_model
@@ -45,6 +46,94 @@ def tsp_results(rank, world, cases, lengths, seed, out_path):
         model.zero_grad()
         results.append({"family": family, "logits_err": max(errors),
                         "grad_err": rel_err(torch.cat(got), torch.cat(want)), "worst_tensor_grad_err": worst})
+    gathered = [None] * world
+    torch.distributed.all_gather_object(gathered, results)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(gathered, f)
+
+
+class _PeakActivationBytes(torch.fx.Interpreter):
+    """Runs a program's graph and records the peak bytes of live activations: values computed
+    by the graph (not weights, not the whole weights gathered for one op), as the interpreter
+    frees each after its last use. ``skip``: nodes left out (the user-facing logits gather)."""
+
+    def __init__(self, gm, skip=()):
+        super().__init__(gm)
+        self.peak = 0
+        self.skip = set(skip)
+
+    def run_node(self, n):
+        out = super().run_node(n)
+        live = 0
+        for node, value in self.env.items():
+            if node.op != "call_function" or node in self.skip or node.target is gather_shards:
+                continue
+            values = value if isinstance(value, (tuple, list)) else [value]
+            live += sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+        self.peak = max(self.peak, live)
+        return out
+
+
+def peak_activation_bytes(program, ids):
+    outputs = [n for n in program.graph.nodes if n.op == "output"][0].all_input_nodes
+    interpreter = _PeakActivationBytes(program.graph_module, skip=outputs)
+    with torch.no_grad():
+        interpreter.run(*program.weight_args(), ids)
+    return interpreter.peak
+
+
+def memory_results(rank, world, cases, lengths, out_path):
+    """Per family: each sharded weight's local element count against its placement, whether
+    every gathered weight is read by the very next op (one whole weight in flight), and the
+    peak activation bytes of a TSP rank and of the unsharded program at each length."""
+    results = []
+    for family, overrides in cases:
+        model = small_model(family, **overrides)
+        dm = ssmshard.parallelize(model, ssmshard.Plan(tsp=world))
+        named = dict(model.named_parameters(remove_duplicate=False))
+        local_fraction = {}
+        for fqn, spec in dm.program.param_specs.items():
+            if isinstance(spec.placement, Shard):
+                whole = named[fqn].numel() if fqn in named else None
+                local_fraction[fqn] = [dm.local_weight(fqn).numel(), whole,
+                                       [[s.size, s.pieces] for s in spec.placement.segments]]
+        nodes = list(dm.program.graph.nodes)
+        # A gathered weight is read by one op, and nothing but the gathers of that op's other
+        # weights runs between: only the whole weights of the op at hand are ever in flight.
+        in_flight_ok = all(len(n.users) == 1 and all(m.target is gather_shards
+                                                     for m in nodes[i + 1:nodes.index(next(iter(n.users)))])
+                           for i, n in enumerate(nodes) if n.target is gather_shards)
+        full = ssmshard.capture(model, mode="forward").bind(model)
+        peaks, full_peaks = [], []
+        for length in lengths:
+            ids = torch.randint(0, model.config.vocab_size, (2, length))
+            peaks.append(peak_activation_bytes(dm.program.for_shapes([ids]), ids))
+            full_peaks.append(peak_activation_bytes(full.for_shapes([ids]), ids))
+        results.append({"family": family, "local": local_fraction, "in_flight_ok": in_flight_ok,
+                        "gathers": sum(n.target is gather_shards for n in nodes),
+                        "peaks": peaks, "full_peaks": full_peaks})
+    gathered = [None] * world
+    torch.distributed.all_gather_object(gathered, results)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(gathered, f)
+
+
+def generate_results(rank, world, families, seed, out_path):
+    """Greedy generation of a TSP DistributedModule (its prefill and decode are the TP programs
+    over the same weight shards) against HF's."""
+    from generate_hf_arguments import hf_reference
+    from generate_worker import left_padded_prompts
+
+    results = []
+    for family in families:
+        model = small_model(family)
+        ids, mask = left_padded_prompts(model.config.vocab_size, (5, 12, 9), seed)
+        dm = ssmshard.parallelize(model, ssmshard.Plan(tsp=world))
+        ours = dm.generate(ids, mask, max_new_tokens=12)
+        hf = hf_reference(lambda: model.generate(ids, attention_mask=mask, max_new_tokens=12))
+        results.append({"family": family, "equal": torch.equal(ours, hf), "ours": ours.tolist(), "hf": hf.tolist()})
     gathered = [None] * world
     torch.distributed.all_gather_object(gathered, results)
     if rank == 0:
