@@ -54,20 +54,27 @@ def tsp_results(rank, world, cases, lengths, seed, out_path):
 
 
 class _PeakActivationBytes(torch.fx.Interpreter):
-    """Runs a program's graph and records the peak bytes of live activations: values computed
-    by the graph (not weights, not the whole weights gathered for one op), as the interpreter
-    frees each after its last use. ``skip``: nodes left out (the user-facing logits gather)."""
+    """Runs a program's graph and records the peak bytes of live activations, as the interpreter
+    frees each value after its last use. An activation is a value computed from the ids (weights,
+    whole weights gathered for one op and other values of weights alone are not); ``skip``: nodes
+    left out (the user-facing logits gather)."""
 
     def __init__(self, gm, skip=()):
         super().__init__(gm)
         self.peak = 0
-        self.skip = set(skip)
+        self.activations = set()
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.activations.add(placeholders[-1])  # the ids: the one user input, after the weights
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and any(a in self.activations for a in node.all_input_nodes):
+                self.activations.add(node)
+        self.activations -= set(skip) | set(placeholders)
 
     def run_node(self, n):
         out = super().run_node(n)
         live = 0
         for node, value in self.env.items():
-            if node.op != "call_function" or node in self.skip or node.target is gather_shards:
+            if node not in self.activations:
                 continue
             values = value if isinstance(value, (tuple, list)) else [value]
             live += sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
