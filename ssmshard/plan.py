@@ -181,15 +181,24 @@ class Plan:
         return {fqn: family.style(rule.style)(self.tp, fqn, spec, model)
                 for fqn, spec, _, rule, family in self._rules_by_weight(program)}
 
-    def explain(self, program, model=None) -> str:
-        """Which rule hit which weight, and the placement it gives (when ``model`` is given)."""
+    def explain(self, program, model=None, *, batch: int | None = None, seq: int | None = None) -> str:
+        """Which rule hit which weight, and the placement it gives (when ``model`` is given).
+        For a TSP plan with ``model``, ``batch`` and ``seq``: then, per layer, TP's and TSP's bytes
+        moved per rank, the break-even token count and the residual stream per rank
+        (``tsp_cost``)."""
         lines = [f"Plan(tp={self.tp}, vocab_parallel={self.vocab_parallel}) on {program.family}:"]
+        if self.tsp > 1:
+            lines[0] = f"Plan(tsp={self.tsp}, vocab_parallel={self.vocab_parallel}) on {program.family}:"
         for fqn, spec, block, rule, family in self._rules_by_weight(program):
             where = f"block={block} role={spec.role}"
             placement = ""
             if model is not None:
                 placement = " -> " + str(family.style(rule.style)(self.tp, fqn, spec, model))
             lines.append(f"  {fqn:<60} {where:<32} {rule.style}{placement}")
+        if self.tsp > 1 and model is not None and batch and seq:
+            from .tsp_cost import comparison
+
+            lines.append(comparison(program, model, self, batch, seq))
         return "\n".join(lines)
 
 

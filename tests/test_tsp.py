@@ -91,3 +91,25 @@ def test_tsp_plan_errors_before_launch():
     # Packed batches are refused before capture or any collective (no process group here).
     with pytest.raises(PlanError, match="packed"):
         ssmshard.parallelize(model, ssmshard.Plan(tsp=2), packed=True)
+
+
+def test_explain_compares_tp_and_tsp_traffic():
+    """Mamba-2 at D = 2: TP all-reduces each layer's out_proj output (hidden fp32 values per token,
+    a ring moving 2 (D-1)/D of it); TSP's per-layer bytes do not grow with the sequence (no
+    attention: weights, halos and states only), so a longer sequence only raises TP's."""
+    model = small_model("mamba2")
+    program = capture(model, mode="forward")
+    hidden = model.config.hidden_size
+
+    def rows(seq):
+        text = ssmshard.Plan(tsp=2).explain(program, model, batch=2, seq=seq)
+        table = text[text.index("TP vs TSP"):].splitlines()[2:]
+        return {line.split()[0]: line.split()[1:4] for line in table if line.split()[0].isdigit()}
+
+    short, long = rows(512), rows(4096)
+    assert sorted(short) == [str(i) for i in range(model.config.num_hidden_layers)]
+    for layer in short:
+        assert int(short[layer][0].replace(",", "")) == 2 * 512 * hidden * 4  # 2 (D-1)/D = 1 at D = 2
+        assert int(long[layer][0].replace(",", "")) == 2 * 4096 * hidden * 4
+        assert short[layer][1] == long[layer][1]  # TSP: fixed per layer
+        assert short[layer][2] == long[layer][2]  # the break-even depends on the model, not the length
