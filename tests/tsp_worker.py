@@ -12,6 +12,16 @@ from ssmshard.comm.weights import gather_shards
 from ssmshard.testing import rel_err
 
 from conftest import small_model
+from generate_hf_arguments import gathered
+from sp_worker import logits_errors
+
+
+def _write_on_rank0(rank, results, out_path):
+    """Every rank's results, in rank order, written as JSON by rank 0."""
+    every_rank = gathered(results)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(every_rank, f)
 
 
 def tsp_results(rank, world, cases, lengths, seed, out_path):
@@ -21,11 +31,7 @@ def tsp_results(rank, world, cases, lengths, seed, out_path):
         dm = ssmshard.parallelize(model, ssmshard.Plan(tsp=world))
         gen = torch.Generator().manual_seed(seed)
         vocab = model.config.vocab_size
-        errors = []
-        for length in lengths:
-            ids = torch.randint(0, vocab, (2, length), generator=gen)
-            with torch.no_grad():
-                errors.append(rel_err(dm(ids), model(ids).logits))
+        errors = logits_errors(dm, model, lengths, gen)
         # Gradients: one loss through the sharded and the unsharded model.
         ids = torch.randint(0, vocab, (2, lengths[-1]), generator=gen)
         probe = torch.randn(2, lengths[-1], vocab, generator=gen)
@@ -46,11 +52,7 @@ def tsp_results(rank, world, cases, lengths, seed, out_path):
         model.zero_grad()
         results.append({"family": family, "logits_err": max(errors),
                         "grad_err": rel_err(torch.cat(got), torch.cat(want)), "worst_tensor_grad_err": worst})
-    gathered = [None] * world
-    torch.distributed.all_gather_object(gathered, results)
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(gathered, f)
+    _write_on_rank0(rank, results, out_path)
 
 
 class _PeakActivationBytes(torch.fx.Interpreter):
@@ -120,11 +122,7 @@ def memory_results(rank, world, cases, lengths, out_path):
         results.append({"family": family, "local": local_fraction, "in_flight_ok": in_flight_ok,
                         "gathers": sum(n.target is gather_shards for n in nodes),
                         "peaks": peaks, "full_peaks": full_peaks})
-    gathered = [None] * world
-    torch.distributed.all_gather_object(gathered, results)
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(gathered, f)
+    _write_on_rank0(rank, results, out_path)
 
 
 def generate_results(rank, world, families, seed, out_path):
@@ -141,8 +139,4 @@ def generate_results(rank, world, families, seed, out_path):
         ours = dm.generate(ids, mask, max_new_tokens=12)
         hf = hf_reference(lambda: model.generate(ids, attention_mask=mask, max_new_tokens=12))
         results.append({"family": family, "equal": torch.equal(ours, hf), "ours": ours.tolist(), "hf": hf.tolist()})
-    gathered = [None] * world
-    torch.distributed.all_gather_object(gathered, results)
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(gathered, f)
+    _write_on_rank0(rank, results, out_path)
