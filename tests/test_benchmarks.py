@@ -20,7 +20,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "benchmarks")
 SCRIPTS = ["bench_capture.py", "bench_selective_scan.py", "bench_ssd_scan.py", "bench_causal_conv1d.py",
-           "generate_gpu.py", "tp_gpu.py", "train_packed.py", "train_small_models.py"]
+           "generate_gpu.py", "tp_gpu.py", "train_packed.py", "train_small_models.py", "tsp_memory.py"]
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
@@ -56,6 +56,9 @@ SMOKES = {
                       and all(e["state_exact"] for e in r["update"])),
     "tp_forward": (["tp_gpu.py", "throughput", "--out", "{out}"], "throughput_tp2.json", "throughput.png",
                    lambda r: r["tp"] == 2 and r["tokens_per_s"] > 0),
+    "tsp_memory": (["tsp_memory.py", "--out", "{out}"], "tsp_memory.json", "tsp_memory.png",
+                   lambda r: {row["plan"] for row in r["rows"]} == {"tp", "tp+sp", "tsp"}
+                   and all(row["peak_activation_bytes"] > 0 and row["forward_s"] > 0 for row in r["rows"])),
 }
 
 
