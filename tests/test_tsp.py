@@ -51,7 +51,7 @@ def test_tsp_weight_shards_and_activation_memory(tmp_path):
     for rank, results in enumerate(json.loads(out.read_text())):
         for r in results:
             where = f"{r['family']} rank {rank}: {r}"
-            assert r["in_flight_ok"] and r["gathers"] > 0, where
+            assert r["in_flight_ok"] and r["gathers"] > 0 and r["seq_sharded"] > 0, where
             for fqn, (local, whole, segments) in r["local"].items():
                 if whole is None:
                     continue

@@ -7,7 +7,7 @@ import json
 import torch
 
 import ssmshard
-from ssmshard.placement import Shard, local_slice
+from ssmshard.placement import SeqShard, Shard, local_slice
 from ssmshard.comm.weights import gather_shards
 from ssmshard.testing import peak_activation_bytes, rel_err
 
@@ -84,6 +84,7 @@ def memory_results(rank, world, cases, lengths, out_path):
             full_peaks.append(peak_activation_bytes(full.for_shapes([ids]), ids))
         results.append({"family": family, "local": local_fraction, "in_flight_ok": in_flight_ok,
                         "gathers": sum(n.target is gather_shards for n in nodes),
+                        "seq_sharded": sum(isinstance(n.meta.get("placement"), SeqShard) for n in nodes),
                         "peaks": peaks, "full_peaks": full_peaks})
     _write_on_rank0(rank, results, out_path)
 
