@@ -24,8 +24,8 @@ def test_tsp_equals_eager_and_unsharded_gradients(world, tmp_path, fresh_seed):
     """Lengths 1 (one real token: every other rank holds only padding), D + 1 (not divisible; chunks
     of 1-2 tokens, shorter than the conv's 3-token halo, so the halo spans ranks) and 13. Gradients
     on batch 2 x 13: each rank's local gradients equal the matching slices of the unsharded model's
-    (1e-5 over the rank's whole gradient vector; 1e-4 per tensor: a few small tensors, e.g. Zamba2's
-    shared-block weights summed over layers, cancel more)."""
+    (1e-5 over the rank's whole gradient vector; 1e-4 per tensor: single tensors of zamba2 reached
+    6.5e-5 at D = 3 in a development run, their cause not yet pinned down)."""
     cases = [(family, TP3[family] if world == 3 else {}) for family in SIX_FAMILIES]
     cases.append(("mamba2", ONE_GROUP[world]))
     out = tmp_path / "tsp.json"
