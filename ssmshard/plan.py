@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import fnmatch
+import logging
 
 import torch
 
@@ -66,6 +67,12 @@ class Plan:
     (SPD: the ``spd`` pass, docs/spd.md); empty: plain TP. ``allow_approximate``: also allow
     dropping sync points that nothing repairs later (Mamba-1's ``x_proj``). At tp=1 there are
     no sync points and the drop set is not applied.
+
+    ``tsp``: tensor and sequence parallelism on one axis of ``tsp`` ranks (docs/tsp.md): each rank
+    holds ``1/tsp`` of every sharded weight (the layout ``tp=tsp`` gives) and ``1/tsp`` of the
+    tokens of every forward program (scoring, training); weights are gathered where they are
+    read, states and halos pass between ranks along the sequence. ``tp`` is set to ``tsp``.
+    Generation (prefill, decode) runs the tensor-parallel programs over the same shards.
     """
 
     tp: int = 1
@@ -83,10 +90,15 @@ class Plan:
     allreduce_max_bytes: int = 256 * 1024
     drop_syncs: list = dataclasses.field(default_factory=list)
     allow_approximate: bool = False
+    tsp: int = 1
 
     def __post_init__(self):
         if not isinstance(self.tp, int) or self.tp < 1:
             raise PlanError(f"tp must be a positive integer, got {self.tp!r}")
+        if not isinstance(self.tsp, int) or self.tsp < 1:
+            raise PlanError(f"tsp must be a positive integer, got {self.tsp!r}")
+        if self.tsp > 1:
+            self._check_tsp()
         if self.kernels not in ("auto", "triton", "reference"):
             raise PlanError(f"kernels must be 'auto', 'triton' or 'reference', got {self.kernels!r}")
         if self.allreduce not in ("nccl", "symm_mem"):
@@ -107,6 +119,23 @@ class Plan:
             raise PlanError("drop_syncs with sequence_parallel=True: sequence parallelism reduce-scatters the "
                             "residual stream, and only all-reduce sync points can be dropped; use one or the other")
 
+    def _check_tsp(self):
+        """TSP is one mesh axis with its own schedule: what it cannot combine with, up front."""
+        if self.tp not in (1, self.tsp):
+            raise PlanError(f"Plan(tsp={self.tsp}) folds tensor parallelism into the same {self.tsp} ranks; "
+                            f"tp={self.tp} cannot be added (leave tp out or set tp={self.tsp})")
+        conflicts = [name for name, on in (("sequence_parallel", self.sequence_parallel),
+                                           ("policy", self.policy is not None),
+                                           ("quantize_syncs", self.quantize_syncs is not None),
+                                           ("drop_syncs", bool(self.drop_syncs))) if on]
+        if conflicts:
+            raise PlanError(f"Plan(tsp=...) has no all-reduce sync points or reduce policy; remove "
+                            f"{', '.join(conflicts)} (they apply to Plan(tp=...))")
+        if self.kernels == "triton":
+            raise PlanError("Plan(tsp=...) runs the torch reference scans (the sequence-sharded state passing "
+                            "is not wired to the Triton kernels); use kernels='auto' or 'reference'")
+        self.tp = self.tsp
+
     def policy_for(self, mode: str):
         """A fresh reduce policy for a program of ``mode`` (policies keep per-program state)."""
         from .passes.shard import MegatronPolicy, SequenceParallelPolicy
@@ -126,6 +155,8 @@ class Plan:
         and the runtime both go through it."""
         from .passes.shard import sharding_steps
 
+        if self.tsp > 1 and mode == "forward":
+            return self._tsp_pipeline(placements=placements, rank=rank, group=group)
         options = {"placements": placements, "rank": rank, "tp": self.tp, "group": group,
                    "training": self.training, "policy": self.policy_for(mode),
                    "input_placements": input_placements or {}}
@@ -140,13 +171,24 @@ class Plan:
             steps.append(("swap_kernels", {"kernels": "triton"}))
         return steps
 
+    def _tsp_pipeline(self, *, placements, rank: int, group: str) -> list:
+        """A forward program under TSP. Generation programs (prefill, decode, chunk) of a TSP plan
+        are the plain tensor-parallel ones over the same weight shards (the layouts are the same
+        by construction): docs/tsp.md."""
+        return [("tsp", {"placements": placements, "rank": rank, "tsp": self.tsp, "group": group,
+                         "training": self.training})]
+
     def kernel_choice(self, device: torch.device) -> str:
         """"triton" or "reference" for weights on ``device``; Triton needs CUDA tensors."""
         if self.kernels == "triton" and device.type != "cuda":
             raise PlanError(f"Plan(kernels='triton') needs the weights on a CUDA device, not {device}; "
                             "use kernels='auto' or 'reference' on the CPU")
         if self.kernels == "auto":
-            return "triton" if device.type == "cuda" else "reference"
+            if device.type == "cuda" and self.tsp > 1:
+                logging.getLogger("ssmshard").warning(
+                    "Plan(tsp=%d) runs the torch reference scans on CUDA: the sequence-sharded state passing "
+                    "is not wired to the Triton kernels yet (kernels='reference' silences this)", self.tsp)
+            return "triton" if device.type == "cuda" and self.tsp == 1 else "reference"
         return self.kernels
 
     def all_rules(self, family) -> list[Rule]:
@@ -174,26 +216,35 @@ class Plan:
         return {fqn: family.style(rule.style)(self.tp, fqn, spec, model)
                 for fqn, spec, _, rule, family in self._rules_by_weight(program)}
 
-    def explain(self, program, model=None, *, syncs: bool = True) -> str:
+    def explain(self, program, model=None, *, syncs: bool = True, batch: int | None = None,
+                seq: int | None = None) -> str:
         """Which rule hit which weight, and the placement it gives (when ``model`` is given); with
         ``model`` and ``syncs``, also rank 0's sync points of a forward ``program`` under this plan:
-        each kept, dropped or quantized, its bytes per token and the totals."""
+        each kept, dropped or quantized, its bytes per token and the totals. For a TSP plan with
+        ``model``, ``batch`` and ``seq``: per layer, TP's and TSP's bytes moved per rank, the
+        break-even token count and the residual stream per rank (``tsp_cost``)."""
         lines = [f"Plan(tp={self.tp}, vocab_parallel={self.vocab_parallel}"
                  + (f", drop_syncs={self.drop_syncs}" if self.drop_syncs else "")
                  + (f", quantize_syncs={self.quantize_syncs!r}" if self.quantize_syncs else "")
                  + f") on {program.family}:"]
+        if self.tsp > 1:
+            lines[0] = f"Plan(tsp={self.tsp}, vocab_parallel={self.vocab_parallel}) on {program.family}:"
         for fqn, spec, block, rule, family in self._rules_by_weight(program):
             where = f"block={block} role={spec.role}"
             placement = ""
             if model is not None:
                 placement = " -> " + str(family.style(rule.style)(self.tp, fqn, spec, model))
             lines.append(f"  {fqn:<60} {where:<32} {rule.style}{placement}")
-        if model is not None and syncs and self.tp > 1 and program.mode == "forward":
+        if model is not None and syncs and self.tp > 1 and self.tsp == 1 and program.mode == "forward":
             from .inspect import sharding_report
             from .runtime.pipeline import shard_program
 
             sharded = shard_program(copy.deepcopy(program), model, self, rank=0, group="ssmshard_explain")
             lines += sharding_report(sharded, weights=False).splitlines()[1:]
+        if self.tsp > 1 and model is not None and batch and seq:
+            from .tsp_cost import comparison
+
+            lines.append(comparison(program, model, self, batch, seq))
         return "\n".join(lines)
 
 

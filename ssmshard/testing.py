@@ -54,3 +54,42 @@ def randomize_weights(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
             value = randn(shape, 0.5)
         param.copy_(value.to(param.dtype))
     return model
+
+
+class _PeakActivationBytes(torch.fx.Interpreter):
+    """Runs a program's graph and records the peak bytes of live activations, as the interpreter
+    frees each value after its last use. An activation is a value computed from the ids (weights,
+    whole weights gathered for one op and other values of weights alone are not); ``skip``: nodes
+    left out (the user-facing logits gather)."""
+
+    def __init__(self, gm, skip=()):
+        super().__init__(gm)
+        self.peak = 0
+        self.activations = set()
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.activations.add(placeholders[-1])  # the ids: the one user input, after the weights
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and any(a in self.activations for a in node.all_input_nodes):
+                self.activations.add(node)
+        self.activations -= set(skip) | set(placeholders)
+
+    def run_node(self, n):
+        out = super().run_node(n)
+        live = 0
+        for node, value in self.env.items():
+            if node not in self.activations:
+                continue
+            values = value if isinstance(value, (tuple, list)) else [value]
+            live += sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+        self.peak = max(self.peak, live)
+        return out
+
+
+def peak_activation_bytes(program, ids) -> int:
+    """Peak bytes of live activations of one call of ``program``'s graph on ``ids`` (weights bound),
+    the program's outputs left out (a forward program's logits, gathered whole for the user)."""
+    outputs = [n for n in program.graph.nodes if n.op == "output"][0].all_input_nodes
+    interpreter = _PeakActivationBytes(program.graph_module, skip=outputs)
+    with torch.no_grad():
+        interpreter.run(*program.weight_args(), ids)
+    return interpreter.peak

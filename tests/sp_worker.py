@@ -38,6 +38,16 @@ def residual_bytes(dm, ids):
     return interpreter.bytes, interpreter.seq_sharded
 
 
+def logits_errors(dm, model, lengths, gen):
+    """Relative error of ``dm``'s logits against HF eager's on a random batch of 2 at each length."""
+    errors = []
+    for length in lengths:
+        ids = torch.randint(0, model.config.vocab_size, (2, length), generator=gen)
+        with torch.no_grad():
+            errors.append(rel_err(dm(ids), model(ids).logits))
+    return errors
+
+
 def sequence_parallel_results(rank, world, cases, lengths, seed, out_path):
     results = []
     for family, overrides in cases:
@@ -46,11 +56,7 @@ def sequence_parallel_results(rank, world, cases, lengths, seed, out_path):
         sp = ssmshard.parallelize(model, ssmshard.Plan(tp=world, sequence_parallel=True))
         gen = torch.Generator().manual_seed(seed)
         vocab = model.config.vocab_size
-        errors = []
-        for length in lengths:
-            ids = torch.randint(0, vocab, (2, length), generator=gen)
-            with torch.no_grad():
-                errors.append(rel_err(sp(ids), model(ids).logits))
+        errors = logits_errors(sp, model, lengths, gen)
         # Gradients: the same loss through both plans; every rank's local gradients must agree.
         ids = torch.randint(0, vocab, (2, lengths[-1]), generator=gen)
         weights = torch.randn(2, lengths[-1], vocab, generator=gen)

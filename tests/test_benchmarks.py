@@ -23,7 +23,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "benchmarks")
 SCRIPTS = ["allreduce_gpu.py", "bench_capture.py", "bench_selective_scan.py", "bench_ssd_scan.py",
            "bench_causal_conv1d.py", "generate_gpu.py", "static_kv_decode_gpu.py", "tp_gpu.py", "train_packed.py",
-           "train_small_models.py"]
+           "train_small_models.py", "tsp_memory.py"]
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
@@ -61,6 +61,9 @@ SMOKES = {
                   lambda r: r["tp"] == 2 and all(row["nccl_eager"] > 0 for row in r["rows"])),
     "tp_forward": (["tp_gpu.py", "throughput", "--out", "{out}"], "throughput_tp2.json", "throughput.png",
                    lambda r: r["tp"] == 2 and r["tokens_per_s"] > 0),
+    "tsp_memory": (["tsp_memory.py", "--out", "{out}"], "tsp_memory.json", "tsp_memory.png",
+                   lambda r: {row["plan"] for row in r["rows"]} == {"tp", "tp+sp", "tsp"}
+                   and all(row["peak_activation_bytes"] > 0 and row["forward_s"] > 0 for row in r["rows"])),
 }
 
 

@@ -189,7 +189,9 @@ def split(x: Tensor, dim: int, group: str) -> Tensor:
     dim, world = dim % x.dim(), world_of(group)
     chunk = padded_chunk(x.shape[dim], world)
     padded = _pad_dim(x, dim, world * chunk)
-    return padded.narrow(dim, rank_of(group) * chunk, chunk).contiguous()
+    # A clone, not .contiguous(): a chunk of a batch-1 row is already contiguous, and a custom
+    # op may not return a view of its input.
+    return padded.narrow(dim, rank_of(group) * chunk, chunk).clone(memory_format=torch.contiguous_format)
 
 
 split.register_fake(lambda x, dim, group: _fake_resized(x, dim % x.dim(), padded_chunk(x.shape[dim % x.dim()],

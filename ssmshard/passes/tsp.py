@@ -1,0 +1,228 @@
+"""The ``tsp`` pass: one rank's forward program under tensor and sequence parallelism folded onto
+one axis of ``D`` ranks (``Plan(tsp=D)``, docs/tsp.md).
+
+Each rank keeps ``1/D`` of every sharded weight (the tensor-parallel layout ``Plan.layout``
+gives at ``tp=D``) and ``1/D`` of the tokens (a contiguous chunk, padded inside as
+``comm.split`` pads). The pass rewrites the unsharded captured graph:
+
+* the ids are split along the sequence right after the placeholder, and every use of the
+  ids (and of their length) reads the local chunk: the whole program then runs on ``c`` local
+  tokens, every view and allocation included;
+* every read of a sharded weight is preceded by ``comm.weights.gather_shards`` (the whole
+  weight, in flight only for that op); a replicated parameter gets a ``tp_copy`` (its gradient
+  sums over the ranks' tokens);
+* positions (``arange`` over the sequence length) are offset by the chunk's start, so rotary
+  embeddings see global positions;
+* the ops that mix tokens become their ``sequence_blocks`` counterparts: the causal conv takes
+  its halo from the previous rank, the scans pass states over ranks, attention gathers keys
+  and values (causal by global position);
+* the logits are all-gathered along the sequence (the padding dropped) before the output.
+
+Placements stay on the nodes: ``SeqShard(d)`` where a value carries the local tokens along
+dim ``d``, ``R~`` for a gathered weight, the weights' shards on their placeholders.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch._guards import detect_fake_mode
+
+from .. import sequence_blocks
+from ..comm import ops as _register_collectives  # noqa: F401  (torch.ops.ssmshard collectives)
+from ..comm.groups import declare_group_size
+from ..comm.weights import gather_shards, gathered_ranges
+from ..ops.signatures import SIGNATURES
+from ..placement import REPLICATE, Replicate, SeqShard, Shard
+from .manager import register
+from .shard.context import ShardingError, new_node
+from .shard.localize import _make_local
+
+aten = torch.ops.aten
+ssm = torch.ops.ssmshard
+GLUE = {"module": "", "call_site": "", "layer": None, "block": "glue", "role": "body"}
+PARTIAL_GRAD_REPLICATE = Replicate(partial_grad=True)
+
+
+class _Rewriter:
+    def __init__(self, program, options):
+        self.program = program
+        self.graph = program.graph
+        self.placements = options["placements"]
+        self.rank = options["rank"]
+        self.world = options["tsp"]
+        self.group = options["group"]
+        self.training = options.get("training", True)
+        self.inputs = {i.name: i for i in program.inputs}
+
+    def call(self, target, args, like, kwargs=None):
+        node = self.graph.call_function(target, tuple(args), kwargs or {})
+        tags = like.meta.get("ssmshard") if like is not None else None
+        node.meta["ssmshard"] = dict(tags or GLUE)
+        if like is not None and "stack_trace" in like.meta:
+            node.meta["stack_trace"] = like.meta["stack_trace"]
+        return node
+
+    # ------------------------------------------------------------- tokens
+    def split_tokens(self):
+        placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
+        users = [n for n in placeholders if self.inputs[n.name].kind == "user"]
+        if self.program.mode != "forward" or self.program.packed or len(users) != 1:
+            raise ShardingError(f"the tsp pass shards forward programs over input_ids only, not a "
+                                f"{'packed ' if self.program.packed else ''}{self.program.mode} program")
+        ids = users[0]
+        with self.graph.inserting_after(placeholders[-1]):
+            self.length = self.call(aten.sym_size.int, (ids, 1), None)
+        with self.graph.inserting_after(self.length):
+            self.local_ids = self.call(ssm.split.default, (ids, 1, self.group), None)
+        self.local_ids.meta["placement"] = SeqShard(1)
+        keep = {self.local_ids, self.length}
+        ids.replace_all_uses_with(self.local_ids, delete_user_cb=lambda user: user not in keep)
+        self.local_length_nodes = {n for n in self.local_ids.users
+                                   if n.target is aten.sym_size.int and n.args[1] in (1, -1)}
+
+    def offset_positions(self):
+        """``arange(L)`` counts this chunk's global positions: ``arange(c) + rank * c``."""
+        for node in list(self.graph.nodes):
+            if node.target is aten.arange.default and node.args[0] in self.local_length_nodes:
+                with self.graph.inserting_after(node):
+                    start = self.call(operator.mul, (node.args[0], self.rank), node)
+                with self.graph.inserting_after(start):
+                    shifted = self.call(aten.add.Tensor, (node, start), node)
+                node.replace_all_uses_with(shifted, delete_user_cb=lambda user: user is not shifted)
+
+    # ------------------------------------------------------------- weights
+    def gather_weights(self):
+        for node in [n for n in self.graph.nodes if n.op == "placeholder"]:
+            spec_input = self.inputs[node.name]
+            if spec_input.kind == "user":
+                continue
+            spec = self.program.param_specs[spec_input.target]
+            placement = self.placements.get(spec_input.target, REPLICATE)
+            spec.placement = placement
+            node.meta["placement"] = placement
+            if isinstance(placement, Shard):
+                _make_local(node, placement)
+                ranges = gathered_ranges(placement, self.world)
+                for user in list(node.users):
+                    with self.graph.inserting_before(user):
+                        whole = self.call(gather_shards, (node, placement.dim, ranges, self.group), user)
+                    whole.meta["placement"] = PARTIAL_GRAD_REPLICATE
+                    user.replace_input_with(node, whole)
+            elif spec.kind == "parameter" and self.training and node.users:
+                first = next(iter(node.users))
+                with self.graph.inserting_after(node):
+                    copy = self.call(ssm.tp_copy.default, (node, self.group), first)
+                copy.meta["placement"] = PARTIAL_GRAD_REPLICATE
+                node.replace_all_uses_with(copy, delete_user_cb=lambda user: user is not copy)
+
+    # ------------------------------------------------------------- ops that mix tokens
+    def sequence_ops(self):
+        for node in list(self.graph.nodes):
+            if node.op != "call_function":
+                continue
+            replacement = None
+            if node.target is ssm.causal_conv1d.default:
+                a = self._bound(node, "causal_conv1d")
+                replacement = (sequence_blocks.causal_conv1d,
+                               (a["x"], a["weight"], a["bias"], a["activation"], self.rank, self.group))
+            elif node.target is ssm.selective_scan.default:
+                a = self._bound(node, "selective_scan", "initial_state")
+                replacement = (sequence_blocks.selective_scan,
+                               (a["u"], a["delta"], a["A"], a["B"], a["C"], a["D"], a["z"], a["delta_bias"],
+                                a["delta_softplus"], self.rank, self.group))
+            elif node.target is ssm.ssd_scan.default:
+                a = self._bound(node, "ssd_scan", "initial_states")
+                replacement = (sequence_blocks.ssd_scan,
+                               (a["x"], a["dt"], a["A"], a["B"], a["C"], a["chunk_size"], a["D"], a["dt_bias"],
+                                a["dt_softplus"], a["dt_min"], a["dt_max"], self.rank, self.group))
+            elif node.target is aten.scaled_dot_product_attention.default:
+                replacement = self._attention(node)
+            elif node.target in _TOKEN_MIXING_UNSUPPORTED:
+                raise ShardingError(f"Plan(tsp=...) cannot run {node.target} at {node.name} on a chunk of the "
+                                    "sequence (it carries state across tokens); run this model with Plan(tp=...)")
+            if replacement is None:
+                continue
+            fn, args, *kwargs = replacement
+            with self.graph.inserting_before(node):
+                new = self.call(fn, args, node, kwargs=kwargs[0] if kwargs else None)
+            node.replace_all_uses_with(new)
+            self.graph.erase_node(node)
+
+    def _bound(self, node, name, *must_be_none):
+        a = SIGNATURES[name].bind(node.args, node.kwargs)
+        for arg in (*must_be_none, "cu_seqlens"):
+            if a.get(arg) is not None:
+                raise ShardingError(f"Plan(tsp=...) runs {name} from the sequence start: {arg} at {node.name} "
+                                    "is not supported (packed or stateful programs)")
+        return a
+
+    def _attention(self, node):
+        schema = [a.name for a in node.target._schema.arguments]
+        a = dict(zip(schema, node.args)) | dict(node.kwargs)
+        if a.get("dropout_p", 0.0) not in (0, 0.0):
+            raise ShardingError(f"Plan(tsp=...) supports attention without dropout; {node.name} has dropout")
+        # Forward programs take no attention mask: the captured mask is the causal one (rebuilt
+        # from global positions by sequence_blocks.causal_attention).
+        kwargs = {"scale": a.get("scale"), "enable_gqa": a.get("enable_gqa", False)}
+        return (sequence_blocks.causal_attention, (a["query"], a["key"], a["value"], self.rank, self.group), kwargs)
+
+    # ------------------------------------------------------------- output
+    def gather_logits(self):
+        output = next(n for n in self.graph.nodes if n.op == "output")
+        values = output.args[0]
+        flat = list(values) if isinstance(values, (tuple, list)) else [values]
+        gathered = []
+        for value in flat:
+            with self.graph.inserting_before(output):
+                node = self.call(ssm.all_gather.default, (value, 1, self.group, self.length), value)
+            node.meta["placement"] = REPLICATE
+            gathered.append(node)
+        output.args = (tuple(gathered) if isinstance(values, (tuple, list)) else gathered[0],)
+
+    # ------------------------------------------------------------- placements
+    def record_placements(self):
+        """Fresh fake values, then ``SeqShard(d)`` on every value carrying the local tokens."""
+        placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
+        vals = [n.meta["val"] for n in placeholders]
+        with torch.no_grad():
+            FakeTensorProp(self.program.graph_module, detect_fake_mode(vals)).propagate_dont_convert_inputs(*vals)
+        local = self.local_ids.meta["val"].shape[1]
+        for node in self.graph.nodes:
+            val = node.meta.get("val")
+            if node.op != "call_function" or "placement" in node.meta or not isinstance(val, torch.Tensor):
+                continue
+            dims = [d for d, size in enumerate(val.shape) if _same_size(size, local)]
+            node.meta["placement"] = SeqShard(dims[0]) if dims else PARTIAL_GRAD_REPLICATE
+
+
+def _same_size(a, b) -> bool:
+    """Whether two symbolic sizes are the same expression (a concrete size matches nothing)."""
+    if isinstance(a, int) or isinstance(b, int):
+        return False
+    return a.node.expr == b.node.expr
+
+
+# Ops whose forward programs would carry state across tokens in a way this pass does not rewrite.
+_TOKEN_MIXING_UNSUPPORTED = (ssm.causal_conv1d_update.default, ssm.selective_state_update.default)
+
+
+@register("tsp")
+def tsp(program, ctx):
+    """Rank ``ctx.options['rank']``'s TSP forward program (see the module docstring)."""
+    options = ctx.options
+    declare_group_size(options["group"], options["tsp"])  # fake shapes of collectives before the group exists
+    rewriter = _Rewriter(program, options)
+    rewriter.split_tokens()
+    rewriter.offset_positions()
+    rewriter.gather_weights()
+    rewriter.sequence_ops()
+    rewriter.gather_logits()
+    program.graph.eliminate_dead_code()
+    program.graph_module.recompile()
+    rewriter.record_placements()
+    program.shard = {"rank": options["rank"], "tp": options["tsp"], "tsp": options["tsp"], "group": options["group"],
+                     "training": rewriter.training, "policy": "tsp", "outputs": [REPLICATE]}
+    return program

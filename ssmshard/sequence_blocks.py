@@ -1,0 +1,165 @@
+"""What a rank holding one contiguous chunk of the sequence needs from the ranks before it.
+
+Under ``Plan(tsp=D)`` rank ``r`` holds tokens ``[r * c, (r + 1) * c)`` of a sequence padded with
+zeros at its end to ``D * c`` tokens (``c = ceil(L / D)``, as ``comm.split`` cuts it). Every
+function here runs on one rank's chunk, is differentiable (its collectives are the autograd
+ops of ``comm.ops``) and equals the same computation over the whole sequence, restricted to the
+chunk (docs/tsp.md):
+
+* ``causal_conv1d``: the depthwise causal conv reads the ``k - 1`` tokens before the chunk (a
+  *halo*): one ``shift`` from the previous rank when ``c >= k - 1``, else the chunks' tails
+  all-gathered (a halo that spans several ranks).
+* ``selective_scan`` / ``ssd_scan``: each rank scans its chunk from a zero state, returning its
+  final state ``h_r`` and its total decay ``a_r`` (the product of its steps' decays); an
+  all-gather of ``(h, a)`` and a local fold ``h_in(r+1) = a_r * h_in(r) + h_r`` give each rank
+  its true initial state (an exclusive prefix over ranks); the chunk's outputs are then
+  corrected by ``C_t . decay(chunk start -> t) . h_in``, which costs one contraction instead of
+  a second scan.
+* ``causal_attention``: the keys and values are all-gathered along the sequence; the mask
+  places this rank's queries at their global positions.
+
+Packed rows (``cu_seqlens``: global offsets over the whole row, batch 1) are supported by the
+conv and the scans: no state or halo crosses a sequence start, also where the start falls on a
+rank boundary.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .comm.ops import all_gather_partial_grad, shift
+from .comm.groups import world_of
+from .kernels.reference import _discretise_dt
+
+
+def local_cu_seqlens(cu_seqlens: Tensor, start: int, length: int) -> Tensor:
+    """Offsets of the (pieces of) sequences inside tokens ``[start, start + length)`` of a packed
+    row, from the row's global ``cu_seqlens``; tokens past the row's end form one more piece."""
+    inside = cu_seqlens[(cu_seqlens > start) & (cu_seqlens < start + length)] - start
+    edges = cu_seqlens.new_tensor([0]), inside, cu_seqlens.new_tensor([length])
+    return torch.cat(edges)
+
+
+def _reached_by_carry(cu_seqlens: Optional[Tensor], start: int, length: int, device) -> Optional[Tensor]:
+    """(length,) float: 1 where the state carried into the chunk still reaches step t (no sequence
+    starts in [start, start + t]), else 0; None when not packed (it reaches every step)."""
+    if cu_seqlens is None:
+        return None
+    steps = torch.arange(start, start + length, device=device)
+    starts = cu_seqlens.to(device).long()
+    before = torch.searchsorted(starts, torch.tensor([start], device=device))  # starts < start
+    upto = torch.searchsorted(starts, steps, right=True)  # starts <= start + t
+    return (upto == before).float()
+
+
+# --------------------------------------------------------------------------- causal conv with a halo
+def conv_halo(x: Tensor, width: int, rank: int, group: str) -> Tensor:
+    """(b, d, width): the ``width`` tokens before this rank's chunk ``x`` (b, d, c), zeros before
+    the sequence start."""
+    c = x.shape[-1]
+    if c >= width:  # the whole halo lives on the previous rank: one point-to-point exchange
+        halo = shift(x[..., c - width:].contiguous(), group, 1)
+        return halo * (rank > 0)  # rank 0 received the last rank's tail (the ring wraps)
+    # A chunk shorter than the halo: every rank's whole chunk, in order, after `width` zeros.
+    tails = all_gather_partial_grad(x.contiguous(), -1, group)  # (b, d, world * c)
+    padded = torch.cat([x.new_zeros(*x.shape[:-1], width), tails], dim=-1)
+    return padded.narrow(-1, rank * c, width)
+
+
+def causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: Optional[str], rank: int,
+                  group: str, cu_seqlens: Optional[Tensor] = None) -> Tensor:
+    """``ops.causal_conv1d`` of this rank's chunk ``x`` (b, d, c) of the whole sequence."""
+    width = weight.shape[-1] - 1
+    if width == 0:
+        return torch.ops.ssmshard.causal_conv1d(x, weight, bias, activation)
+    c = x.shape[-1]
+    window = torch.cat([conv_halo(x, width, rank, group), x], dim=-1)  # (b, d, width + c)
+    # Rank 0's halo lies before the row: the row's start at 0 cuts it off as a piece of its own.
+    local_cu = None if cu_seqlens is None else local_cu_seqlens(cu_seqlens, rank * c - width, width + c)
+    y = torch.ops.ssmshard.causal_conv1d(window, weight, bias, activation, local_cu)
+    return y[..., width:].contiguous()
+
+
+# --------------------------------------------------------------------------- state passing
+def exclusive_state_prefix(state: Tensor, decay: Tensor, rank: int, group: str) -> Tensor:
+    """The state entering this rank's chunk: ``sum_{s<r} (prod_{s<q<r} decay_q) * state_s``.
+
+    ``state``: this chunk's final state from a zero start; ``decay``: its total decay
+    (broadcastable to ``state``). One all-gather of each, then a fold over the ranks before
+    this one (D - 1 multiply-adds of a state, cheaper than the D - 1 sequential hops of a ring).
+    """
+    states = all_gather_partial_grad(state.unsqueeze(0).contiguous(), 0, group)  # (D, ...)
+    decays = all_gather_partial_grad(decay.unsqueeze(0).contiguous(), 0, group)
+    carried = torch.zeros_like(state)
+    for source in range(rank):
+        carried = decays[source] * carried + states[source]
+    # Every rank must run the gathers' backward (a collective) even where it reads none of the
+    # gathered values (rank 0, and every rank's own and later slots): a zero-weighted use
+    # keeps them in the autograd graph.
+    unused = states[rank:].sum(0) + decays[rank:].sum(0)
+    return carried + 0.0 * unused
+
+
+def selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus: bool, rank: int, group: str,
+                   cu_seqlens: Optional[Tensor] = None):
+    """``ops.selective_scan`` (Mamba-1) of this rank's chunk (b, d, c) of the whole sequence, from
+    a zero initial state at the sequence start. Returns (out, the state after this chunk)."""
+    bsz, d, c = u.shape
+    local_cu = None if cu_seqlens is None else local_cu_seqlens(cu_seqlens, rank * c, c).to(torch.int32)
+    y, local_state = torch.ops.ssmshard.selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, None,
+                                                       local_cu)
+    dt = _discretise_dt(delta, delta_bias, delta_softplus, (d, 1))  # (b, d, c)
+    from_start = dt.cumsum(-1)[..., None] * A.float()[:, None, :]  # (b, d, c, n): log-decay since the chunk start
+    carry = from_start.exp()
+    reached = _reached_by_carry(cu_seqlens, rank * c, c, u.device)
+    if reached is not None:
+        carry = carry * reached[:, None]
+    decay = carry[:, :, -1]  # (b, d, n)
+    initial = exclusive_state_prefix(local_state, decay, rank, group)  # (b, d, n)
+    Cg = C.float().unsqueeze(1) if C.dim() == 3 else C.float()  # (b, g, n, c)
+    g = Cg.shape[1]
+    Ch = Cg.repeat_interleave(d // g, dim=1)  # (b, d, n, c): channel i reads group i // (d / g)
+    correction = torch.einsum("bdnc,bdcn,bdn->bdc", Ch, carry, initial)
+    if z is not None:
+        correction = correction * F.silu(z.float())
+    return y + correction, decay * initial + local_state
+
+
+def ssd_scan(x, dt, A, B, C, chunk_size, D, dt_bias, dt_softplus: bool, dt_min: float, dt_max: float, rank: int,
+             group: str, cu_seqlens: Optional[Tensor] = None):
+    """``ops.ssd_scan`` (Mamba-2) of this rank's chunk (b, c, h, p) of the whole sequence, from a
+    zero initial state at the sequence start. Returns (out, the states after this chunk)."""
+    bsz, c, h, p = x.shape
+    g = B.shape[-2]
+    local_cu = None if cu_seqlens is None else local_cu_seqlens(cu_seqlens, rank * c, c).to(torch.int32)
+    y, local_state = torch.ops.ssmshard.ssd_scan(x, dt, A, B, C, chunk_size, D, dt_bias, None, dt_softplus,
+                                                 dt_min, dt_max, local_cu)
+    dt32 = _discretise_dt(dt, dt_bias, dt_softplus, (h,)).clamp(dt_min, dt_max)  # (b, c, h)
+    carry = (dt32 * A.float()).cumsum(1).exp()  # (b, c, h): decay from the chunk start to step t
+    reached = _reached_by_carry(cu_seqlens, rank * c, c, x.device)
+    if reached is not None:
+        carry = carry * reached[:, None]
+    decay = carry[:, -1]  # (b, h)
+    initial = exclusive_state_prefix(local_state, decay[..., None, None], rank, group)  # (b, h, p, n)
+    Ch = C.float().repeat_interleave(h // g, dim=2)  # (b, c, h, n): head i reads group i // (h / g)
+    correction = torch.einsum("bchn,bch,bhpn->bchp", Ch, carry, initial)
+    return y + correction, decay[..., None, None] * initial + local_state
+
+
+# --------------------------------------------------------------------------- attention
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, rank: int, group: str, *, scale=None,
+                     enable_gqa: bool = False) -> Tensor:
+    """Causal ``scaled_dot_product_attention`` of this rank's queries (b, h, c, e) over every
+    rank's keys and values (all-gathered along the sequence; the padding past the sequence end
+    comes last, so causality already hides it from every real query)."""
+    c = q.shape[-2]
+    keys = all_gather_partial_grad(k.contiguous(), -2, group)  # (b, hk, D * c, e)
+    values = all_gather_partial_grad(v.contiguous(), -2, group)
+    query_pos = torch.arange(c, device=q.device) + rank * c
+    key_pos = torch.arange(world_of(group) * c, device=q.device)
+    mask = key_pos[None, :] <= query_pos[:, None]  # (c, D * c)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)

@@ -1,0 +1,115 @@
+"""``Plan(tsp=D)``: tensor and sequence parallelism on one axis (docs/tsp.md), in real processes
+over gloo: logits against HF eager, every rank's gradients against the unsharded model's,
+weight shards and activation memory per rank, generation, and the errors raised up front."""
+
+import json
+
+import pytest
+import torch
+
+import ssmshard
+from ssmshard.capture import capture
+from ssmshard.plan import PlanError
+
+import tsp_worker
+from conftest import SIX_FAMILIES, small_model
+from test_sequence_parallel import TP3
+
+ONE_GROUP = {2: {"n_groups": 1}, 4: {"n_groups": 1},
+             3: {"hidden_size": 48, "num_heads": 6, "head_dim": 16, "n_groups": 1, "vocab_size": 264}}
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_tsp_equals_eager_and_unsharded_gradients(world, tmp_path, fresh_seed):
+    """Lengths 1 (one real token: every other rank holds only padding), D + 1 (not divisible; chunks
+    of 1-2 tokens, shorter than the conv's 3-token halo, so the halo spans ranks) and 13. Gradients
+    on batch 2 x 13: each rank's local gradients equal the matching slices of the unsharded model's
+    (1e-5 over the rank's whole gradient vector; 1e-4 per tensor: single tensors of zamba2 reached
+    6.5e-5 at D = 3 in a development run, their cause not yet pinned down)."""
+    cases = [(family, TP3[family] if world == 3 else {}) for family in SIX_FAMILIES]
+    cases.append(("mamba2", ONE_GROUP[world]))
+    out = tmp_path / "tsp.json"
+    ssmshard.launch(tsp_worker.tsp_results, world, cases, [1, world + 1, 13], fresh_seed, str(out))
+    for rank, results in enumerate(json.loads(out.read_text())):
+        assert [r["family"] for r in results] == [family for family, _ in cases]
+        for r in results:
+            where = f"{r['family']} tsp={world} rank {rank} (seed {fresh_seed})"
+            assert r["logits_err"] < 1e-5, (where, r)
+            assert r["grad_err"] < 1e-5, (where, r)
+            assert r["worst_tensor_grad_err"] < 1e-4, (where, r)
+
+
+def test_tsp_weight_shards_and_activation_memory(tmp_path):
+    """Each rank holds its shard of every sharded weight (1/D of every segment cut D ways; a
+    segment with fewer pieces, Mamba-2's B/C groups, 1/pieces), only the weights of the op at hand
+    are whole at once, and peak activation bytes grow with L/D: doubling L doubles them, and a
+    rank's peak is at most 0.55 of the unsharded program's (D = 2; K/V are gathered whole)."""
+    world, lengths = 2, [64, 128]
+    out = tmp_path / "mem.json"
+    families = ["mamba2", "llama", "zamba2"]
+    ssmshard.launch(tsp_worker.memory_results, world, [(f, {}) for f in families], lengths, str(out))
+    for rank, results in enumerate(json.loads(out.read_text())):
+        for r in results:
+            where = f"{r['family']} rank {rank}: {r}"
+            assert r["in_flight_ok"] and r["gathers"] > 0 and r["seq_sharded"] > 0, where
+            for fqn, (local, whole, segments) in r["local"].items():
+                if whole is None:
+                    continue
+                per_row = whole // sum(size for size, _ in segments)
+                assert local == per_row * sum(size // pieces for size, pieces in segments), (fqn, where)
+                if all(pieces == world for _, pieces in segments):
+                    assert local * world == whole, (fqn, where)
+            short, long = r["peaks"]
+            assert 1.8 <= long / short <= 2.2, where
+            for peak, full in zip(r["peaks"], r["full_peaks"]):
+                assert peak <= 0.55 * full, where
+
+
+def test_tsp_generate_equals_hf(tmp_path, fresh_seed):
+    out = tmp_path / "gen.json"
+    ssmshard.launch(tsp_worker.generate_results, 2, ["mamba2", "zamba2"], fresh_seed, str(out))
+    for rank, results in enumerate(json.loads(out.read_text())):
+        for r in results:
+            assert r["equal"], (rank, fresh_seed, r)
+
+
+def test_tsp_plan_errors_before_launch():
+    with pytest.raises(PlanError, match="sequence_parallel"):
+        ssmshard.Plan(tsp=2, sequence_parallel=True)
+    with pytest.raises(PlanError, match="tp=3 cannot be added"):
+        ssmshard.Plan(tsp=2, tp=3)
+    with pytest.raises(PlanError, match="quantize_syncs"):
+        ssmshard.Plan(tsp=2, quantize_syncs="int8")
+    with pytest.raises(PlanError, match="reference scans"):
+        ssmshard.Plan(tsp=2, kernels="triton")
+    with pytest.raises(PlanError, match="tsp must be a positive integer"):
+        ssmshard.Plan(tsp=0)
+    # D is checked against heads and groups by the layout, before any process group exists.
+    model = small_model("mamba2")  # 8 heads, 2 groups
+    with pytest.raises(PlanError):
+        ssmshard.Plan(tsp=3).layout(capture(model, mode="forward"), model)
+    # Packed batches are refused before capture or any collective (no process group here).
+    with pytest.raises(PlanError, match="packed"):
+        ssmshard.parallelize(model, ssmshard.Plan(tsp=2), packed=True)
+
+
+def test_explain_compares_tp_and_tsp_traffic():
+    """Mamba-2 at D = 2: TP all-reduces each layer's out_proj output (hidden fp32 values per token,
+    a ring moving 2 (D-1)/D of it); TSP's per-layer bytes do not grow with the sequence (no
+    attention: weights, halos and states only), so a longer sequence only raises TP's."""
+    model = small_model("mamba2")
+    program = capture(model, mode="forward")
+    hidden = model.config.hidden_size
+
+    def rows(seq):
+        text = ssmshard.Plan(tsp=2).explain(program, model, batch=2, seq=seq)
+        table = text[text.index("TP vs TSP"):].splitlines()[2:]
+        return {line.split()[0]: line.split()[1:4] for line in table if line.split()[0].isdigit()}
+
+    short, long = rows(512), rows(4096)
+    assert sorted(short) == [str(i) for i in range(model.config.num_hidden_layers)]
+    for layer in short:
+        assert int(short[layer][0].replace(",", "")) == 2 * 512 * hidden * 4  # 2 (D-1)/D = 1 at D = 2
+        assert int(long[layer][0].replace(",", "")) == 2 * 4096 * hidden * 4
+        assert short[layer][1] == long[layer][1]  # TSP: fixed per layer
+        assert short[layer][2] == long[layer][2]  # the break-even depends on the model, not the length

@@ -1,0 +1,132 @@
+"""State passing for sequence-sharded SSM layers (``ssmshard.sequence_blocks``): every rank's
+outputs and gradients equal the sequential full-sequence reference ops, on simulated groups
+(threads), at uneven lengths, chunks shorter than the conv halo, and packed rows whose
+sequence boundaries fall on rank boundaries."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ssmshard import comm, sequence_blocks
+from ssmshard.testing import rel_err
+
+TOL = 1e-5
+
+
+def _chunk(t, dim, rank, world):
+    """Rank ``rank``'s chunk of ``t`` along ``dim``, padded with zeros as comm.split pads."""
+    c = -(-t.shape[dim] // world)
+    padded = F.pad(t, [0, 0] * (t.dim() - 1 - dim % t.dim()) + [0, world * c - t.shape[dim]])
+    return padded.narrow(dim, rank * c, c)
+
+
+def _compare(full_fn, sharded_fn, sequence, shared, world, out_dim, seed):
+    """``sequence``: {name: (tensor, seq dim)}; ``shared``: {name: tensor} held whole by every rank.
+    Checks outputs and gradients (a random linear loss over the real tokens)."""
+    gen = torch.Generator().manual_seed(seed)
+    leaves = {k: v.clone().requires_grad_(v.is_floating_point()) for k, (v, _) in sequence.items()}
+    leaves.update({k: v.clone().requires_grad_(True) for k, v in shared.items()})
+    out = full_fn(**leaves)
+    probe = torch.randn(out.shape, generator=gen)
+    (out * probe).sum().backward()
+
+    def rank_fn(rank, world):
+        local = {k: _chunk(v, d, rank, world).detach().clone().requires_grad_(v.is_floating_point())
+                 for k, (v, d) in sequence.items()}
+        local.update({k: v.detach().clone().requires_grad_(True) for k, v in shared.items()})
+        y = sharded_fn(rank=rank, group="tsp", **local)
+        (y * _chunk(probe, out_dim, rank, world)).sum().backward()
+        return y.detach(), {k: t.grad for k, t in local.items() if t.grad is not None}
+
+    results = comm.run_simulated(rank_fn, world, group="tsp")
+    length = out.shape[out_dim]
+    got = torch.cat([y for y, _ in results], out_dim).narrow(out_dim, 0, length)
+    assert rel_err(got, out.detach()) < TOL
+    for name, (v, d) in sequence.items():
+        if v.is_floating_point():
+            grad = torch.cat([g[name] for _, g in results], d).narrow(d, 0, v.shape[d])
+            assert rel_err(grad, leaves[name].grad) < TOL, name
+    for name in shared:
+        grad = sum(g[name] for _, g in results)
+        assert rel_err(grad, leaves[name].grad) < TOL, name
+
+
+def _packed(length):
+    """cu_seqlens with a boundary on every rank boundary of a 3-way split and one inside."""
+    c = -(-length // 3)
+    return torch.tensor(sorted({0, c, c + 2, 2 * c, length}), dtype=torch.int32)
+
+
+@pytest.mark.parametrize("world,length", [(2, 7), (3, 13), (4, 5), (4, 14)])
+def test_sharded_causal_conv(world, length, fresh_seed):
+    b, d, k = 2, 6, 4
+    x = torch.randn(b, d, length)
+    w, bias = torch.randn(d, k), torch.randn(d)
+    _compare(lambda x, w, bias: torch.ops.ssmshard.causal_conv1d(x, w, bias, "silu"),
+             lambda x, w, bias, rank, group: sequence_blocks.causal_conv1d(x, w, bias, "silu", rank, group),
+             {"x": (x, -1)}, {"w": w, "bias": bias}, world, -1, fresh_seed)
+
+
+@pytest.mark.parametrize("world,length", [(2, 7), (3, 13), (4, 5), (4, 14)])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_sharded_selective_scan(world, length, groups, fresh_seed):
+    b, d, n = 2, 8, 4
+    seq = {"u": (torch.randn(b, d, length), -1), "delta": (torch.randn(b, d, length) * 0.5, -1),
+           "B": (torch.randn(b, groups, n, length), -1), "C": (torch.randn(b, groups, n, length), -1),
+           "z": (torch.randn(b, d, length), -1)}
+    shared = {"A": -torch.rand(d, n) - 0.1, "D": torch.randn(d), "bias": torch.randn(d) * 0.1}
+    _compare(lambda u, delta, A, B, C, D, z, bias: torch.ops.ssmshard.selective_scan(
+                 u, delta, A, B, C, D, z, bias, True, None)[0],
+             lambda u, delta, A, B, C, D, z, bias, rank, group: sequence_blocks.selective_scan(
+                 u, delta, A, B, C, D, z, bias, True, rank, group)[0],
+             seq, shared, world, -1, fresh_seed)
+
+
+@pytest.mark.parametrize("world,length", [(2, 7), (3, 13), (4, 5), (4, 14)])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_sharded_ssd_scan(world, length, groups, fresh_seed):
+    b, h, p, n = 2, 4, 3, 4
+    seq = {"x": (torch.randn(b, length, h, p), 1), "dt": (torch.randn(b, length, h) * 0.5, 1),
+           "B": (torch.randn(b, length, groups, n), 1), "C": (torch.randn(b, length, groups, n), 1)}
+    shared = {"A": -torch.rand(h) - 0.1, "D": torch.randn(h), "bias": torch.randn(h) * 0.1}
+    _compare(lambda x, dt, A, B, C, D, bias: torch.ops.ssmshard.ssd_scan(
+                 x, dt, A, B, C, 4, D, bias, None, True, 0.0, float("inf"))[0],
+             lambda x, dt, A, B, C, D, bias, rank, group: sequence_blocks.ssd_scan(
+                 x, dt, A, B, C, 4, D, bias, True, 0.0, float("inf"), rank, group)[0],
+             seq, shared, world, 1, fresh_seed)
+
+
+@pytest.mark.parametrize("length", [12, 14])
+def test_packed_state_passing_stops_at_sequence_starts(length, fresh_seed):
+    """A packed row split 3 ways with a sequence starting exactly on a rank boundary (and one
+    inside a chunk): conv halo and carried state never cross into the next sequence."""
+    world, cu = 3, _packed(length)
+    d, n, h, p, k = 4, 4, 2, 3, 4
+    conv = {"x": (torch.randn(1, d, length), -1)}
+    _compare(lambda x, w: torch.ops.ssmshard.causal_conv1d(x, w, None, None, cu),
+             lambda x, w, rank, group: sequence_blocks.causal_conv1d(x, w, None, None, rank, group, cu),
+             conv, {"w": torch.randn(d, k)}, world, -1, fresh_seed)
+    seq = {"u": (torch.randn(1, d, length), -1), "delta": (torch.randn(1, d, length) * 0.5, -1),
+           "B": (torch.randn(1, n, length), -1), "C": (torch.randn(1, n, length), -1)}
+    _compare(lambda u, delta, A, B, C: torch.ops.ssmshard.selective_scan(
+                 u, delta, A, B, C, None, None, None, True, None, cu)[0],
+             lambda u, delta, A, B, C, rank, group: sequence_blocks.selective_scan(
+                 u, delta, A, B, C, None, None, None, True, rank, group, cu)[0],
+             seq, {"A": -torch.rand(d, n) - 0.1}, world, -1, fresh_seed)
+    seq = {"x": (torch.randn(1, length, h, p), 1), "dt": (torch.randn(1, length, h) * 0.5, 1),
+           "B": (torch.randn(1, length, 1, n), 1), "C": (torch.randn(1, length, 1, n), 1)}
+    _compare(lambda x, dt, A, B, C: torch.ops.ssmshard.ssd_scan(
+                 x, dt, A, B, C, 4, None, None, None, True, 0.0, float("inf"), cu)[0],
+             lambda x, dt, A, B, C, rank, group: sequence_blocks.ssd_scan(
+                 x, dt, A, B, C, 4, None, None, True, 0.0, float("inf"), rank, group, cu)[0],
+             seq, {"A": -torch.rand(h) - 0.1}, world, 1, fresh_seed)
+
+
+@pytest.mark.parametrize("world,length", [(2, 7), (4, 5)])
+def test_sharded_causal_attention(world, length, fresh_seed):
+    b, hq, hk, e = 2, 4, 2, 8
+    seq = {"q": (torch.randn(b, hq, length, e), 2), "k": (torch.randn(b, hk, length, e), 2),
+           "v": (torch.randn(b, hk, length, e), 2)}
+    _compare(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+             lambda q, k, v, rank, group: sequence_blocks.causal_attention(q, k, v, rank, group, enable_gqa=True),
+             seq, {}, world, 2, fresh_seed)

@@ -1,0 +1,106 @@
+"""Worker for tests/test_tsp.py: each rank runs ``Plan(tsp=N)`` on the six families and records
+logits errors against HF eager, gradient errors against the unsharded model's gradient slices,
+weight counts and activation bytes."""
+
+import json
+
+import torch
+
+import ssmshard
+from ssmshard.placement import SeqShard, Shard, local_slice
+from ssmshard.comm.weights import gather_shards
+from ssmshard.testing import peak_activation_bytes, rel_err
+
+from conftest import small_model
+from generate_hf_arguments import gathered
+from sp_worker import logits_errors
+
+
+def _write_on_rank0(rank, results, out_path):
+    """Every rank's results, in rank order, written as JSON by rank 0."""
+    every_rank = gathered(results)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(every_rank, f)
+
+
+def tsp_results(rank, world, cases, lengths, seed, out_path):
+    results = []
+    for family, overrides in cases:
+        model = small_model(family, **overrides)
+        dm = ssmshard.parallelize(model, ssmshard.Plan(tsp=world))
+        gen = torch.Generator().manual_seed(seed)
+        vocab = model.config.vocab_size
+        errors = logits_errors(dm, model, lengths, gen)
+        # Gradients: one loss through the sharded and the unsharded model.
+        ids = torch.randint(0, vocab, (2, lengths[-1]), generator=gen)
+        probe = torch.randn(2, lengths[-1], vocab, generator=gen)
+        (dm(ids) * probe).sum().backward()
+        dm.sync_replicated_grads()
+        model.zero_grad()
+        (model(ids).logits * probe).sum().backward()
+        named = dict(model.named_parameters(remove_duplicate=False))
+        got, want, worst = [], [], 0.0
+        for fqn, spec in dm.program.param_specs.items():
+            if spec.kind != "parameter" or named[fqn].grad is None:
+                continue
+            expected = local_slice(named[fqn].grad, spec.placement, rank)
+            local = dm.local_weight(fqn).grad
+            got.append(local.flatten())
+            want.append(expected.flatten())
+            worst = max(worst, rel_err(local, expected))
+        model.zero_grad()
+        results.append({"family": family, "logits_err": max(errors),
+                        "grad_err": rel_err(torch.cat(got), torch.cat(want)), "worst_tensor_grad_err": worst})
+    _write_on_rank0(rank, results, out_path)
+
+
+def memory_results(rank, world, cases, lengths, out_path):
+    """Per family: each sharded weight's local element count against its placement, whether
+    every gathered weight is read by the very next op (one whole weight in flight), and the
+    peak activation bytes of a TSP rank and of the unsharded program at each length."""
+    results = []
+    for family, overrides in cases:
+        model = small_model(family, **overrides)
+        dm = ssmshard.parallelize(model, ssmshard.Plan(tsp=world))
+        named = dict(model.named_parameters(remove_duplicate=False))
+        local_fraction = {}
+        for fqn, spec in dm.program.param_specs.items():
+            if isinstance(spec.placement, Shard):
+                whole = named[fqn].numel() if fqn in named else None
+                local_fraction[fqn] = [dm.local_weight(fqn).numel(), whole,
+                                       [[s.size, s.pieces] for s in spec.placement.segments]]
+        nodes = list(dm.program.graph.nodes)
+        # A gathered weight is read by one op, and nothing but the gathers of that op's other
+        # weights runs between: only the whole weights of the op at hand are ever in flight.
+        in_flight_ok = all(len(n.users) == 1 and all(m.target is gather_shards
+                                                     for m in nodes[i + 1:nodes.index(next(iter(n.users)))])
+                           for i, n in enumerate(nodes) if n.target is gather_shards)
+        full = ssmshard.capture(model, mode="forward").bind(model)
+        peaks, full_peaks = [], []
+        for length in lengths:
+            ids = torch.randint(0, model.config.vocab_size, (2, length))
+            peaks.append(peak_activation_bytes(dm.program.for_shapes([ids]), ids))
+            full_peaks.append(peak_activation_bytes(full.for_shapes([ids]), ids))
+        results.append({"family": family, "local": local_fraction, "in_flight_ok": in_flight_ok,
+                        "gathers": sum(n.target is gather_shards for n in nodes),
+                        "seq_sharded": sum(isinstance(n.meta.get("placement"), SeqShard) for n in nodes),
+                        "peaks": peaks, "full_peaks": full_peaks})
+    _write_on_rank0(rank, results, out_path)
+
+
+def generate_results(rank, world, families, seed, out_path):
+    """Greedy generation of a TSP DistributedModule (its prefill and decode are the TP programs
+    over the same weight shards) against HF's."""
+    from generate_hf_arguments import hf_reference
+    from generate_worker import left_padded_prompts
+
+    results = []
+    for family in families:
+        model = small_model(family)
+        ids, mask = left_padded_prompts(model.config.vocab_size, (5, 12, 9), seed)
+        dm = ssmshard.parallelize(model, ssmshard.Plan(tsp=world))
+        ours = dm.generate(ids, mask, max_new_tokens=12)
+        hf = hf_reference(lambda: model.generate(ids, attention_mask=mask, max_new_tokens=12))
+        results.append({"family": family, "equal": torch.equal(ours, hf), "ours": ours.tolist(), "hf": hf.tolist()})
+    _write_on_rank0(rank, results, out_path)
