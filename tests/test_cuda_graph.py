@@ -27,6 +27,21 @@ def test_decode_programs_with_fixed_size_states_are_graphable(family, graphable)
             GraphedDecode(decode)
 
 
+def _prompts(model, seed):
+    """Three left-padded prompts of different lengths on the GPU, and the generation options."""
+    ids, mask = left_padded_prompts(model.config.vocab_size, (5, 12, 9), seed)
+    return ids.cuda(), mask.cuda(), dict(max_new_tokens=20, pad_token_id=PAD)
+
+
+def _graphed_and_hf(model, prefill, graphed_step, ids, mask, options):
+    """Tokens of a graphed generation, of a second one (a replay of the captured graph), and HF's."""
+    graphed = generate(prefill, graphed_step, ids, mask, **options)
+    again = generate(prefill, graphed_step, ids, mask, **options)
+    with torch.no_grad():
+        hf = model.generate(ids, attention_mask=mask, do_sample=False, **options)
+    return graphed, again, hf
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("family", ["mamba", "falcon_mamba", "mamba2"])
 def test_graphed_decode_generates_the_eager_and_hf_tokens(family, fresh_seed):
@@ -34,15 +49,9 @@ def test_graphed_decode_generates_the_eager_and_hf_tokens(family, fresh_seed):
     try:
         prefill, decode = (run_pipeline(ssmshard.capture(model, mode=mode), [("swap_kernels", {"kernels": "triton"})])
                            for mode in ("prefill", "decode"))
-        ids, mask = left_padded_prompts(model.config.vocab_size, (5, 12, 9), fresh_seed)
-        ids, mask = ids.cuda(), mask.cuda()
-        options = dict(max_new_tokens=20, pad_token_id=PAD)
+        ids, mask, options = _prompts(model, fresh_seed)
         eager = generate(prefill, decode, ids, mask, **options)
-        graphed_step = GraphedDecode(decode)
-        graphed = generate(prefill, graphed_step, ids, mask, **options)
-        again = generate(prefill, graphed_step, ids, mask, **options)  # replays the captured graph
-        with torch.no_grad():
-            hf = model.generate(ids, attention_mask=mask, do_sample=False, **options)
+        graphed, again, hf = _graphed_and_hf(model, prefill, GraphedDecode(decode), ids, mask, options)
     finally:
         model.cpu()
     where = f"{family} (seed {fresh_seed})"
@@ -62,17 +71,11 @@ def test_graphed_static_kv_decode_generates_the_eager_and_hf_tokens(family, fres
         kernels = [("swap_kernels", {"kernels": "triton"})]
         prefill, decode = (run_pipeline(ssmshard.capture(model, mode=mode), kernels) for mode in ("prefill", "decode"))
         static = run_pipeline(ssmshard.capture(model, mode="decode", static_kv=True), kernels)
-        ids, mask = left_padded_prompts(model.config.vocab_size, (5, 12, 9), fresh_seed)
-        ids, mask = ids.cuda(), mask.cuda()
-        options = dict(max_new_tokens=20, pad_token_id=PAD)
+        ids, mask, options = _prompts(model, fresh_seed)
         length = ids.shape[1] + 24  # unfilled slots too
         dynamic = generate(prefill, decode, ids, mask, **options)
         eager = generate(prefill, StaticKVDecode(static, length), ids, mask, **options)
-        graphed_step = GraphedDecode(static, length)
-        graphed = generate(prefill, graphed_step, ids, mask, **options)
-        again = generate(prefill, graphed_step, ids, mask, **options)  # replays the captured graph
-        with torch.no_grad():
-            hf = model.generate(ids, attention_mask=mask, do_sample=False, **options)
+        graphed, again, hf = _graphed_and_hf(model, prefill, GraphedDecode(static, length), ids, mask, options)
     finally:
         model.cpu()
     where = f"{family} (seed {fresh_seed})"
