@@ -15,7 +15,7 @@ PIP_QUIET := --quiet --disable-pip-version-check
 JOBS   ?= 2
 PYTEST_OPTS := -n $(JOBS) --dist worksteal --durations=25
 
-.PHONY: venv demo test test-newest test-oldest clean
+.PHONY: venv demo test test-all test-newest test-oldest clean
 
 venv: $(VENV)/.stamp
 
@@ -34,14 +34,19 @@ $(VENV_OLDEST)/.stamp: pyproject.toml
 demo: venv
 	@$(VENV)/bin/ssmshard demo
 
-# The whole suite on the newest transformers, then the compatibility subset on the oldest.
+# The suite on the newest transformers, then the compatibility subset on the oldest. Tests
+# marked slow (the tp = 3 and 4 repeats of the heaviest multi-process tests) run in test-all.
+MARKS ?= not slow
 test: test-newest test-oldest
 
+test-all:
+	$(MAKE) test MARKS=
+
 test-newest: venv
-	$(VPY) -m pytest tests $(PYTEST_OPTS)
+	$(VPY) -m pytest tests $(PYTEST_OPTS) $(if $(MARKS),-m "$(MARKS)")
 
 test-oldest: $(VENV_OLDEST)/.stamp
-	$(VENV_OLDEST)/bin/python -m pytest tests -m compat $(PYTEST_OPTS)
+	$(VENV_OLDEST)/bin/python -m pytest tests -m "compat$(if $(MARKS), and ($(MARKS)))" $(PYTEST_OPTS)
 
 clean:
 	rm -rf $(VENV) $(VENV_OLDEST) *.egg-info .pytest_cache

@@ -25,7 +25,7 @@ TP3 = {
 }
 
 
-@pytest.mark.parametrize("tp", [2, 3, 4])
+@pytest.mark.parametrize("tp", [2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 def test_sequence_parallel_equals_eager_and_tp(tp, tmp_path, fresh_seed):
     """Lengths 1 (shorter than tp and than the conv kernel) and 2 tp + 1 (not divisible): the
     padding inside the program never shows. Gradients equal plain TP's (1e-5 over the whole gradient

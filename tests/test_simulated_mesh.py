@@ -11,7 +11,7 @@ import mesh_worker
 from conftest import small_model
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_simulated_mesh_equals_a_gloo_run(world, tmp_path, fresh_seed):
     model = small_model("llama")
     ids = torch.randint(0, model.config.vocab_size, (2, 13), generator=torch.Generator().manual_seed(fresh_seed))

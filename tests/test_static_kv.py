@@ -19,7 +19,7 @@ ATTENTION_FAMILIES = ["zamba", "zamba2", "llama"]
 
 @pytest.mark.parametrize("tp, families", [(1, ATTENTION_FAMILIES),
                                          pytest.param(2, ATTENTION_FAMILIES, marks=pytest.mark.compat),
-                                         (4, ["llama"])], ids=["1", "2", "4"])
+                                         pytest.param(4, ["llama"], marks=pytest.mark.slow)], ids=["1", "2", "4"])
 def test_static_kv_decode_generates_hf_tokens(tp, families, tmp_path, fresh_seed):
     """dm.generate(static_kv=True | N) gives exactly HF's greedy tokens and the dynamic cache's, for
     two left-padded batches of prompts of different lengths, with buffers sized exactly and with

@@ -19,7 +19,7 @@ ONE_GROUP = {2: {"n_groups": 1}, 4: {"n_groups": 1},
              3: {"hidden_size": 48, "num_heads": 6, "head_dim": 16, "n_groups": 1, "vocab_size": 264}}
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 def test_tsp_equals_eager_and_unsharded_gradients(world, tmp_path, fresh_seed):
     """Lengths 1 (one real token: every other rank holds only padding), D + 1 (not divisible; chunks
     of 1-2 tokens, shorter than the conv's 3-token halo, so the halo spans ranks) and 13. Gradients
