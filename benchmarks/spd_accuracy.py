@@ -42,6 +42,7 @@ import bench_common  # noqa: E402
 
 FAMILIES = ("llama", "mamba", "mamba2", "zamba2")
 SMOKE_VOCAB = 256
+FLOOR = 1e-6  # the log-scale plot draws increases at or below zero here
 
 
 def variant_plans(tp: int, drop_syncs: list[str]) -> dict:
@@ -140,12 +141,13 @@ def plot_sensitivity(path: str, cases: list[dict]) -> None:
         for case in (c for c in cases if c["model"] == model):
             for role in sorted({p["role"] for p in case["points"]}):
                 mine = [p for p in case["points"] if p["role"] == role]
-                ax.plot([p["layer"] for p in mine], [max(p["increase"], 1e-6) * 100 for p in mine], marker="o",
+                ax.plot([-1 if p["layer"] is None else p["layer"] for p in mine],
+                        [max(p["increase"], FLOOR) * 100 for p in mine], marker="o",
                         label=f"tp={case['tp']} {role}")
         ax.axhline(cases[0]["calibration"]["budget"] * 100, color="gray", linestyle="--", linewidth=0.8)
         ax.set_yscale("log")
-        ax.set_xlabel("layer")
-        ax.set_ylabel("perplexity increase, % (one sync point dropped)")
+        ax.set_xlabel("layer (-1: embedding)")
+        ax.set_ylabel(f"perplexity increase, % (<= 0 drawn at {FLOOR * 100:g})")
         ax.set_title(model, fontsize=10)
         ax.legend(fontsize=7)
     fig.suptitle("SPD sensitivity on the calibration split (SimulatedMesh, fp32)", fontsize=10)
