@@ -22,8 +22,8 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "benchmarks")
 SCRIPTS = ["allreduce_gpu.py", "bench_capture.py", "bench_selective_scan.py", "bench_ssd_scan.py",
-           "bench_causal_conv1d.py", "generate_gpu.py", "static_kv_decode_gpu.py", "tp_gpu.py", "train_packed.py",
-           "train_small_models.py", "tsp_memory.py"]
+           "bench_causal_conv1d.py", "generate_gpu.py", "spd_accuracy.py", "static_kv_decode_gpu.py", "tp_gpu.py",
+           "train_packed.py", "train_small_models.py", "tsp_memory.py"]
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
@@ -59,6 +59,12 @@ SMOKES = {
                       and all(e["state_exact"] for e in r["update"])),
     "allreduce": (["allreduce_gpu.py", "--out", "{out}"], "allreduce_tp2.json", "allreduce_tp2.png",
                   lambda r: r["tp"] == 2 and all(row["nccl_eager"] > 0 for row in r["rows"])),
+    "spd_accuracy": (["spd_accuracy.py", "--out", "{out}/spd.json"], "spd.json", "spd.png",
+                     lambda r: [(c["model"], c["tp"]) for c in r["cases"]] == [("llama", 2)] and r["complete"]
+                     and all(set(c["heldout"]["variants"]) == {"tp", "spd", "int8", "fp8", "spd+int8"}
+                             and c["heldout"]["variants"]["int8"]["all_reduces"]["quantized"] > 0
+                             and c["heldout"]["variants"]["spd"]["all_reduces"]["dropped"] == c["dropped"]
+                             for c in r["cases"])),
     "tp_forward": (["tp_gpu.py", "throughput", "--out", "{out}"], "throughput_tp2.json", "throughput.png",
                    lambda r: r["tp"] == 2 and r["tokens_per_s"] > 0),
     "tsp_memory": (["tsp_memory.py", "--out", "{out}"], "tsp_memory.json", "tsp_memory.png",
