@@ -239,8 +239,14 @@ class Plan:
             from .inspect import sharding_report
             from .runtime.pipeline import shard_program
 
-            sharded = shard_program(copy.deepcopy(program), model, self, rank=0, group="ssmshard_explain")
-            lines += sharding_report(sharded, weights=False).splitlines()[1:]
+            from .passes.shard import ShardingError
+
+            try:
+                sharded = shard_program(copy.deepcopy(program), model, self, rank=0, group="ssmshard_explain")
+            except ShardingError as exc:  # the rules above are still worth reading: say why no sync points follow
+                lines.append(f"  sync points: none listed, this layout does not shard the program: {exc}")
+            else:
+                lines += sharding_report(sharded, weights=False).splitlines()[1:]
         if self.tsp > 1 and model is not None and batch and seq:
             from .tsp_cost import comparison
 
