@@ -25,7 +25,7 @@ PROMPT = 12  # the widest of generate_worker's left-padded prompts
 
 
 @pytest.mark.parametrize("tp, families", [(1, SIX_FAMILIES), pytest.param(2, SIX_FAMILIES, marks=pytest.mark.compat),
-                                         (4, TP4_FAMILIES)], ids=["1", "2", "4"])
+                                         pytest.param(4, TP4_FAMILIES, marks=pytest.mark.slow)], ids=["1", "2", "4"])
 def test_generate_matches_hf_generate_and_states_are_sharded(tp, families, tmp_path, fresh_seed):
     """Greedy with the model's own generation config: exactly HF's tokens for 3 left-padded
     prompts of different lengths, 20 new tokens, all six families (at tp = 4, ``TP4_FAMILIES``);

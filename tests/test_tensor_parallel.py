@@ -29,7 +29,7 @@ FORWARD_CASES = [
 ]
 
 
-@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.compat), 4])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.compat), pytest.param(4, marks=pytest.mark.slow)])
 def test_logits_match_hf_eager(tp, tmp_path, fresh_seed):
     out = tmp_path / "results.json"
     ssmshard.launch(tp_worker.forward_errors, tp, FORWARD_CASES, fresh_seed, str(out))
