@@ -75,7 +75,9 @@ def generation_results(rank, world, family, seed, out_path):
         dm = ssmshard.parallelize(model, ssmshard.Plan(tp=world, allreduce=allreduce))
         with torch.no_grad():
             logits = dm(ids).float()
-        tokens = {graphed: dm.generate(ids, max_new_tokens=12, do_sample=False, cuda_graph=graphed).tolist()
+        # String keys: JSON turns a bool key into "false" / "true".
+        tokens = {("graphed" if graphed else "eager"):
+                  dm.generate(ids, max_new_tokens=12, do_sample=False, cuda_graph=graphed).tolist()
                   for graphed in (False, True)}
         backend = backend_of(dm.program.shard["group"])
         outs[allreduce] = {"logits": logits, "tokens": tokens, "symm_calls": getattr(backend, "calls", {}).get("symm_mem")}

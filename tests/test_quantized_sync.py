@@ -240,7 +240,7 @@ def test_triton_kernels_equal_the_torch_codec(fmt, fresh_seed):
         if block == 32:
             assert (wires[kernels][0][:, chunk:].view(torch.float32)[0] == 1).all()  # the special values' scale
 
-    parts = [torch.randn(2, 45, generator=gen) for _ in range(3)]
+    parts = [torch.randn(2, 45, generator=gen).to(device) for _ in range(3)]
 
     def two_shot(rank, world, codec):
         return q.two_shot_all_reduce(parts[rank], comm.backend_of("qsim"), fmt, 32, codec=codec)

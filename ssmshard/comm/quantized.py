@@ -67,7 +67,10 @@ class TorchCodec:
     @staticmethod
     def _codes_of(values: Tensor, fmt: str, block: int):
         blocks = values.unflatten(-1, (-1, block))  # (..., blocks, b)
-        scales = blocks.abs().amax(-1) / QMAX[fmt]
+        block_max = blocks.abs().amax(-1)
+        # A tensor divisor, not a Python number: CUDA divides by a scalar as a multiply by its
+        # float32 reciprocal (one ulp off IEEE division), while the Triton codec and the CPU divide.
+        scales = block_max / torch.full_like(block_max, QMAX[fmt])
         scaled = blocks / torch.where(scales > 0, scales, 1.0)[..., None]
         if fmt == "int8":
             codes = torch.round(scaled).clamp(-127, 127).to(torch.int8)
