@@ -404,8 +404,10 @@ def plot_model(folder, model, rows):
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     for variant in sorted({r["variant"] for r in rows}):
-        points = sorted((r["batch"], r["tpot_ms"]) for r in rows if r["variant"] == variant)
-        ax.plot(*zip(*points), marker="o", color=VARIANT_STYLE.get(variant), label=variant)
+        # Log axes: a non-positive TPOT (noise of a smoke run) has no point.
+        points = sorted((r["batch"], r["tpot_ms"]) for r in rows if r["variant"] == variant and r["tpot_ms"] > 0)
+        if points:
+            ax.plot(*zip(*points), marker="o", color=VARIANT_STYLE.get(variant), label=variant)
     floor = sorted((r["batch"], r["floor_ms"]) for r in rows if r.get("floor_ms"))
     if floor:
         ax.plot(*zip(*floor), linestyle="--", color="k", label="weight-read floor")
