@@ -34,6 +34,8 @@ Glossary:
                 recurrent states (conv and SSM, from the prefill's own state tensors) and the
                 keys/values of the mean context of the timed steps (l + n / 2 positions). State
                 writes are not counted: a lower bound.
+  timed_runs    TTFT rows time fewer than --repeats runs where the budget would not hold them
+                at the warm-up's pace (at least one).
   forward       median time of ``dm(ids)``, the whole-sequence forward of the same prompt (the
                 TTFT a prefill could reach).
   time to start ``parallelize_s`` (of which ``parallelize_capture_s`` in ``capture`` and
@@ -139,10 +141,13 @@ def ttft_and_tpot(generate, new_tokens, repeats, device):
             "generate_ms": 1e3 * whole, "warm_up_s": warm_up_s}
 
 
-def median_ms(fn, repeats, device):
-    """Median time of ``fn`` in ms after one warm-up call."""
-    seconds_of(fn, device)
-    return 1e3 * statistics.median(seconds_of(fn, device) for _ in range(repeats))
+def median_ms(fn, repeats, device, seconds_left=float("inf")):
+    """(median time of ``fn`` in ms after one warm-up call, timed calls): as many of ``repeats``
+    calls as ``seconds_left`` holds at the warm-up's pace, at least one (a 4K prefill through
+    Hugging Face's torch fallback can take many seconds)."""
+    warm_up_s = seconds_of(fn, device)
+    calls = max(1, min(repeats, int(seconds_left // max(warm_up_s, 1e-9))))
+    return 1e3 * statistics.median(seconds_of(fn, device) for _ in range(calls)), calls
 
 
 # ---------------------------------------------------------------------------------- bytes
@@ -197,6 +202,9 @@ class DecodeBench:
             return True
         self.rec.skipped(kind, "time budget", **where)
         return False
+
+    def seconds_left(self):
+        return self.args.budget_s - self.clock.elapsed()
 
     def timed_step(self, kind, fn):
         """``fn()``, its duration remembered as the estimate of the next step of ``kind``."""
@@ -288,8 +296,11 @@ class DecodeBench:
 
         def measure():
             options = self.ours_options(ids, 1, attention)
-            return {"ttft_ms": median_ms(lambda: dm.generate(ids, **options), self.run["repeats"], self.device),
-                    "forward_ms": median_ms(lambda: forward(dm, ids), self.run["repeats"], self.device)}
+            ttft, calls = median_ms(lambda: dm.generate(ids, **options), self.run["repeats"], self.device,
+                                    self.seconds_left())
+            forward_ms, forward_calls = median_ms(lambda: forward(dm, ids), self.run["repeats"], self.device,
+                                                  self.seconds_left())
+            return {"ttft_ms": ttft, "timed_runs": calls, "forward_ms": forward_ms, "forward_timed_runs": forward_calls}
         row = self.timed_step("ttft", measure)
         self.rec.write("ttft", **where, **row, ttft_over_forward=row["ttft_ms"] / row["forward_ms"])
 
@@ -331,8 +342,9 @@ class DecodeBench:
         def generate():
             return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
                                   pad_token_id=PAD)
-        ttft = self.timed_step("hf_ttft", lambda: median_ms(generate, self.run["repeats"], self.device))
-        self.rec.write("ttft", **where, ttft_ms=ttft, hf_kernels_ran=path["fast_kernels_ran"],
+        ttft, calls = self.timed_step("hf_ttft", lambda: median_ms(generate, self.run["repeats"], self.device,
+                                                                   self.seconds_left()))
+        self.rec.write("ttft", **where, ttft_ms=ttft, timed_runs=calls, hf_kernels_ran=path["fast_kernels_ran"],
                        hf_importable=path["importable"])
 
 
