@@ -458,6 +458,8 @@ def summary_table(rows):
         lines.append(f"| {r['model']} | {fmt(r['parallelize_s'])} | {fmt(r['generation_programs_s'])} | "
                      f"{fmt(r.get('static_decode_s'))} | {fmt(r['all_capture_s'])} | {fmt(r['all_passes_s'])} | "
                      f"{fmt(r['first_generate_s'])} | {fmt(r['steady_generate_s'])} |")
+    lines += [""] + [f"HF path of {r['model']}: {r['path']}; importable: {r['importable']}"
+                     for r in rows if r["kind"] == "hf_path"]
     skipped = [r for r in rows if r["kind"] == "skipped"]
     if skipped:
         lines += ["", f"Skipped for time: {len(skipped)} steps ("
