@@ -33,7 +33,8 @@ Glossary:
                 input embedding table counts b rows, unless tied to the output head), the
                 recurrent states (conv and SSM, from the prefill's own state tensors) and the
                 keys/values of the mean context of the timed steps (l + n / 2 positions). State
-                writes are not counted: a lower bound.
+                writes are not counted, and a weight shared by several layers (Zamba2's shared
+                blocks) counts once: a lower bound.
   timed_runs    TTFT rows time fewer than --repeats runs where the budget would not hold them
                 at the warm-up's pace (at least one).
   forward       median time of ``dm(ids)``, the whole-sequence forward of the same prompt (the
