@@ -112,16 +112,27 @@ def generate_results(rank, world, families, seed, out_path, argument_families=()
 
 
 def graphed_vs_eager(rank, world, family, seed, out_path):
-    """Greedy tokens of eager and CUDA-graph decoding (twice: capture, then replay) on GPUs."""
+    """Greedy tokens of eager and CUDA-graph decoding (twice: capture, then replay) on GPUs, and
+    HF's; then the graph replayed across a batch whose rows finish at different steps."""
+    from finishing_rows import finishing_rows
+
     model = small_model(family).cuda()
-    dm = ssmshard.parallelize(model, ssmshard.Plan(tp=world))
-    ids, mask = left_padded_prompts(model.config.vocab_size, (5, 12, 9), seed)
-    ids, mask = ids.cuda(), mask.cuda()
-    eager = dm.generate(ids, mask, max_new_tokens=20, pad_token_id=PAD, cuda_graph=False)
-    graphed = dm.generate(ids, mask, max_new_tokens=20, pad_token_id=PAD, cuda_graph=True)
-    again = dm.generate(ids, mask, max_new_tokens=20, pad_token_id=PAD, cuda_graph=True)
+    try:
+        dm = ssmshard.parallelize(model, ssmshard.Plan(tp=world))
+        ids, mask = left_padded_prompts(model.config.vocab_size, (5, 12, 9), seed)
+        ids, mask = ids.cuda(), mask.cuda()
+        eager = dm.generate(ids, mask, max_new_tokens=20, pad_token_id=PAD, cuda_graph=False)
+        graphed = dm.generate(ids, mask, max_new_tokens=20, pad_token_id=PAD, cuda_graph=True)
+        again = dm.generate(ids, mask, max_new_tokens=20, pad_token_id=PAD, cuda_graph=True)
+        hf = hf_reference(lambda: model.generate(ids, attention_mask=mask, max_new_tokens=20, pad_token_id=PAD,
+                                                 do_sample=False))
+        finishing = finishing_rows(lambda i, m, **options: dm.generate(i, m, cuda_graph=True, **options),
+                                   model, ids, mask, PAD, reference=hf_reference)
+    finally:
+        model.cpu()  # the model object is shared by the tests of this process
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump({"eager": eager.tolist(), "graphed": graphed.tolist(), "again": again.tolist(),
+                       "hf": hf.tolist(), "finishing": finishing,
                        # Attention models graph the step over static key/value buffers.
                        "static_graph": all(g.static is not None for g in dm._decode_graphs.values())}, f)

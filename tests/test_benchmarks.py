@@ -6,7 +6,7 @@ interpreter, processes on gloo): it writes its JSON, and its plot where matplotl
 train_small_models.py have their own smoke tests (tests/test_generate_bench.py,
 tests/test_train_packed_bench.py, tests/test_train_small_models.py); static_kv_decode_gpu.py's
 smoke mode (the eager decode variants of tiny Zamba2 and Llama) takes minutes on the CPU and is
-only checked to answer --help here.
+only checked to answer --help here; decode_gpu.py's smoke runs one tiny model (Mamba-2).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "benchmarks")
-SCRIPTS = ["allreduce_gpu.py", "bench_capture.py", "bench_selective_scan.py", "bench_ssd_scan.py",
+SCRIPTS = ["allreduce_gpu.py", "bench_capture.py", "decode_gpu.py", "bench_selective_scan.py", "bench_ssd_scan.py",
            "bench_causal_conv1d.py", "generate_gpu.py", "spd_accuracy.py", "static_kv_decode_gpu.py", "tp_gpu.py",
            "train_packed.py", "train_small_models.py", "tsp_memory.py"]
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -83,3 +83,32 @@ def test_smoke_run_writes_json_and_plot(name, tmp_path):
     with open(tmp_path / json_name) as f:
         assert check(json.load(f))
     assert (tmp_path / png_name).exists() == HAVE_MATPLOTLIB, run.stdout[-2000:]
+
+
+def test_decode_smoke_writes_rows_as_measured_and_plots(tmp_path):
+    """decode_gpu.py --smoke on tiny Mamba-2: every kind of row (time to start, TPOT of ssmshard
+    with its floor and of HF at each batch, TTFT beside the forward), then --plot's figure and table."""
+    run = subprocess.run([sys.executable, os.path.join(BENCH, "decode_gpu.py"), "--smoke", "--out", str(tmp_path),
+                          "--models", "tiny-mamba2"], env=_env(), cwd=tmp_path, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    with open(tmp_path / "rows_rank0.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["kind"] for r in rows][0] == "environment" and rows[-1]["kind"] == "done"
+    assert rows[0]["copy_gb_s"] > 0
+    start = next(r for r in rows if r["kind"] == "start")
+    assert start["parallelize_s"] >= start["parallelize_capture_s"] + start["parallelize_passes_s"] > 0
+    tpot = {(r["variant"], r["batch"]): r for r in rows if r["kind"] == "tpot"}
+    assert set(tpot) == {(v, b) for v in ("ssmshard", "hf") for b in (1, 4)}
+    for batch in (1, 4):
+        ours = tpot["ssmshard", batch]
+        assert ours["floor_ms"] > 0 and ours["recurrent_state_bytes"] > 0 and ours["kv_bytes"] == 0
+        assert ours["step_bytes"] == ours["weight_bytes"] + ours["recurrent_state_bytes"]
+    assert tpot["ssmshard", 4]["recurrent_state_bytes"] == 4 * tpot["ssmshard", 1]["recurrent_state_bytes"]
+    assert {r["variant"] for r in rows if r["kind"] == "ttft"} == {"ssmshard", "hf"}
+    assert "importable" in next(r for r in rows if r["kind"] == "hf_path")
+    plot = subprocess.run([sys.executable, os.path.join(BENCH, "decode_gpu.py"), "--plot", str(tmp_path)], env=_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert plot.returncode == 0, plot.stderr[-3000:]
+    assert "| tiny-mamba2 | 4 |" in (tmp_path / "decode_summary.md").read_text()
+    assert (tmp_path / "decode_tpot_tiny-mamba2.png").exists() == HAVE_MATPLOTLIB

@@ -10,7 +10,8 @@ from ssmshard.runtime.cuda_graph import GraphedDecode, why_not_graphable
 from ssmshard.runtime.generate import generate
 from ssmshard.runtime.static_kv import StaticKVDecode
 
-from conftest import small_model
+from conftest import SIX_FAMILIES, small_model
+from finishing_rows import check_finishing_rows
 import generate_worker
 from generate_worker import PAD, left_padded_prompts
 
@@ -97,16 +98,22 @@ def test_dm_generate_graphs_attention_decode_over_static_buffers(family, tmp_pat
     tokens = json.loads(out.read_text())
     assert tokens["static_graph"], family
     assert tokens["graphed"] == tokens["eager"] and tokens["again"] == tokens["eager"], (family, fresh_seed)
+    assert tokens["eager"] == tokens["hf"], (family, fresh_seed)
+    check_finishing_rows(tokens["finishing"], f"{family} tp=1 graphed (seed {fresh_seed})")
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor-parallel CUDA graphs need 2 GPUs")
-@pytest.mark.parametrize("family", ["mamba", "mamba2", "zamba2", "llama"])
+@pytest.mark.parametrize("family", SIX_FAMILIES)
 def test_graphed_decode_with_nccl_all_reduces_matches_eager(family, tmp_path, fresh_seed):
-    """At tp = 2 the graph holds the NCCL all-reduces: replays give the eager tokens (Zamba2 and
-    Llama: the graph over static key/value buffers, eager over the growing cache)."""
+    """At tp = 2 the graph holds the NCCL all-reduces: replays give the eager tokens (attention
+    families: the graph over static key/value buffers, eager over the growing cache) and HF's,
+    for left-padded prompts of different lengths; replayed across a batch whose rows finish at
+    different steps, finished rows stay padded and each row's tokens are its prompt's alone."""
     import json
 
     out = tmp_path / "tokens.json"
     ssmshard.launch(generate_worker.graphed_vs_eager, 2, family, fresh_seed, str(out), backend="nccl")
     tokens = json.loads(out.read_text())
     assert tokens["graphed"] == tokens["eager"] and tokens["again"] == tokens["eager"], (family, fresh_seed)
+    assert tokens["eager"] == tokens["hf"], (family, fresh_seed)
+    check_finishing_rows(tokens["finishing"], f"{family} tp=2 graphed (seed {fresh_seed})")
