@@ -23,6 +23,19 @@ _NO_REPROPAGATION: set[str] = set()
 REQUIRED_TAGS = ("module", "call_site", "layer", "block", "role")
 
 
+def propagate_fake_values(gm: torch.fx.GraphModule, vals: list) -> None:
+    """Run the graph on its placeholders' fake values, refreshing every node's ``meta["val"]``.
+
+    Attention is propagated through SDPA's math backend: on CUDA the fused backends' fake
+    kernels pad the mask with ``constant_pad_nd``, which refuses the symbolic key length of a
+    growing-cache decode program. Only shapes and dtypes are computed here, and they do not
+    depend on the backend; the program itself runs whichever backend torch picks."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
+        FakeTensorProp(gm, detect_fake_mode(vals)).propagate_dont_convert_inputs(*vals)
+
+
 class PassVerificationError(RuntimeError):
     """The graph a pass returned is broken; the message names the pass."""
 
@@ -81,8 +94,7 @@ def verify(program, *, pass_name: str = "<input>", check_tags: bool = True,
         raise PassVerificationError(f"pass {pass_name!r} left placeholders without meta['val']: {missing[:5]}")
     try:
         if propagate:
-            with torch.no_grad():
-                FakeTensorProp(gm, detect_fake_mode(vals)).propagate_dont_convert_inputs(*vals)
+            propagate_fake_values(gm, vals)
     except Exception as exc:
         raise PassVerificationError(
             f"pass {pass_name!r} broke the graph: fake-tensor propagation failed: {type(exc).__name__}: {exc}"

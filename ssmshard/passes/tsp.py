@@ -27,8 +27,6 @@ from __future__ import annotations
 import operator
 
 import torch
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-from torch._guards import detect_fake_mode
 
 from .. import sequence_blocks
 from ..comm import ops as _register_collectives  # noqa: F401  (torch.ops.ssmshard collectives)
@@ -36,7 +34,7 @@ from ..comm.groups import declare_group_size
 from ..comm.weights import gather_shards, gathered_ranges
 from ..ops.signatures import SIGNATURES
 from ..placement import REPLICATE, Replicate, SeqShard, Shard
-from .manager import register
+from .manager import propagate_fake_values, register
 from .shard.context import ShardingError, new_node
 from .shard.localize import _make_local
 
@@ -187,8 +185,7 @@ class _Rewriter:
         """Fresh fake values, then ``SeqShard(d)`` on every value carrying the local tokens."""
         placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
         vals = [n.meta["val"] for n in placeholders]
-        with torch.no_grad():
-            FakeTensorProp(self.program.graph_module, detect_fake_mode(vals)).propagate_dont_convert_inputs(*vals)
+        propagate_fake_values(self.program.graph_module, vals)
         local = self.local_ids.meta["val"].shape[1]
         for node in self.graph.nodes:
             val = node.meta.get("val")
