@@ -105,7 +105,7 @@ def settings(args):
         raise SystemExit("no CUDA device: run with --smoke on a CPU")
     return dict(models=GPU_MODELS, batches=args.batches, prompt=args.prompt, new_tokens=args.new_tokens,
                 long_prompt=args.long_prompt, repeats=args.repeats, dtype=torch.bfloat16,
-                device=torch.device("cuda"))
+                device=torch.device("cuda", 0))
 
 
 def prompt_ids(vocab, batch, length, device, seed):

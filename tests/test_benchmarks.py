@@ -22,7 +22,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "benchmarks")
 SCRIPTS = ["allreduce_gpu.py", "bench_capture.py", "decode_gpu.py", "bench_selective_scan.py", "bench_ssd_scan.py",
-           "bench_causal_conv1d.py", "generate_gpu.py", "spd_accuracy.py", "static_kv_decode_gpu.py", "tp_gpu.py",
+           "bench_causal_conv1d.py", "generate_gpu.py", "scaling_gpu.py", "spd_accuracy.py", "static_kv_decode_gpu.py", "tp_gpu.py",
            "train_packed.py", "train_small_models.py", "tsp_memory.py"]
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
@@ -112,3 +112,20 @@ def test_decode_smoke_writes_rows_as_measured_and_plots(tmp_path):
     assert plot.returncode == 0, plot.stderr[-3000:]
     assert "| tiny-mamba2 | 4 |" in (tmp_path / "decode_summary.md").read_text()
     assert (tmp_path / "decode_tpot_tiny-mamba2.png").exists() == HAVE_MATPLOTLIB
+
+
+@pytest.mark.slow
+def test_scaling_smoke_measures_every_variant_and_plots(tmp_path):
+    """scaling_gpu.py --smoke under torchrun (2 CPU ranks, gloo): one row per variant, then --plot."""
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          os.path.join(BENCH, "scaling_gpu.py"), "--smoke", "--out", str(tmp_path)],
+                         env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    with open(tmp_path / "scaling.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["variant"] for r in rows] == ["tp1", "tp2", "tp2_symm", "tp2_symm_spd", "tp2_int8", "tp2_fp8"]
+    assert all(r["tpot_ms_b1"] is not None and r["prefill_tok_s"] > 0 for r in rows)
+    assert rows[3]["syncs_dropped"] == 1  # 7/15 of the tiny model's 2 layers, rounded
+    plot = subprocess.run([sys.executable, os.path.join(BENCH, "scaling_gpu.py"), "--plot", str(tmp_path)],
+                          env=_env(), capture_output=True, text=True, timeout=300)
+    assert plot.returncode == 0 and "tp2_symm_spd" in plot.stdout, plot.stderr[-2000:]
