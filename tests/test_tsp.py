@@ -65,12 +65,20 @@ def test_tsp_weight_shards_and_activation_memory(tmp_path):
                 assert peak <= 0.55 * full, where
 
 
-def test_tsp_generate_equals_hf(tmp_path, fresh_seed):
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_tsp_prefill_then_greedy_generate_equals_hf(world, tmp_path, fresh_seed):
+    """Prefill with the prompt's tokens split over the ranks, then greedy decode (TP decode program
+    over the same shards): HF's tokens, and the prefill's last-token logits within 1e-5."""
+    cases = [(family, TP3[family] if world == 3 else {}) for family in SIX_FAMILIES]
     out = tmp_path / "gen.json"
-    ssmshard.launch(tsp_worker.generate_results, 2, ["mamba2", "zamba2"], fresh_seed, str(out))
+    ssmshard.launch(tsp_worker.generate_results, world, cases, fresh_seed, str(out))
     for rank, results in enumerate(json.loads(out.read_text())):
+        assert [r["family"] for r in results] == SIX_FAMILIES
         for r in results:
-            assert r["equal"], (rank, fresh_seed, r)
+            where = (r["family"], f"tsp={world} rank {rank} seed {fresh_seed}")
+            assert r["sequence_sharded"], where
+            assert all(r["equal"]), (where, r)
+            assert max(r["prefill_err"]) < 1e-5, (where, r)
 
 
 def test_tsp_plan_errors_before_launch():
