@@ -72,7 +72,8 @@ class Plan:
     holds ``1/tsp`` of every sharded weight (the layout ``tp=tsp`` gives) and ``1/tsp`` of the
     tokens of every forward program (scoring, training); weights are gathered where they are
     read, states and halos pass between ranks along the sequence. ``tp`` is set to ``tsp``.
-    Generation (prefill, decode) runs the tensor-parallel programs over the same shards.
+    Generation prefills with a TSP program and decodes with the tensor-parallel program over the
+    same shards (the prefill's states re-laid into TP's channel-sharded layout).
     """
 
     tp: int = 1
@@ -147,15 +148,19 @@ class Plan:
         return MegatronPolicy()
 
     def pipeline(self, mode: str, *, placements, rank: int, group: str, kernels: str = "reference",
-                 input_placements=None) -> list:
+                 input_placements=None, sequence_sharded: bool = False) -> list:
         """The pass steps that make rank ``rank``'s program of ``mode`` under this plan, in order:
         the sharding passes (``propagate``, ``localize``, ``communicate``) with the plan's reduce
         policy, the sync-point passes (``spd``, then ``quantize_sync``), then ``swap_kernels`` when
         ``kernels == "triton"`` (always last: it only retargets SSM ops). ``runtime.pipeline.shard_program`` runs them; ``ssmshard inspect``
-        and the runtime both go through it."""
+        and the runtime both go through it. Under ``tsp``, forward programs are the ``tsp`` pass's;
+        ``sequence_sharded=True`` asks for it on a prefill program too (the TSP prefill, whose
+        states feed the tensor-parallel decode program: docs/tsp.md)."""
         from .passes.shard import sharding_steps
 
-        if self.tsp > 1 and mode == "forward":
+        if sequence_sharded and (self.tsp == 1 or mode != "prefill"):
+            raise PlanError(f"a sequence-sharded {mode} program needs Plan(tsp=...) and a prefill program")
+        if self.tsp > 1 and (mode == "forward" or sequence_sharded):
             return self._tsp_pipeline(placements=placements, rank=rank, group=group)
         options = {"placements": placements, "rank": rank, "tp": self.tp, "group": group,
                    "training": self.training, "policy": self.policy_for(mode),
@@ -172,9 +177,9 @@ class Plan:
         return steps
 
     def _tsp_pipeline(self, *, placements, rank: int, group: str) -> list:
-        """A forward program under TSP. Generation programs (prefill, decode, chunk) of a TSP plan
-        are the plain tensor-parallel ones over the same weight shards (the layouts are the same
-        by construction): docs/tsp.md."""
+        """A forward (or sequence-sharded prefill) program under TSP. Decode and chunk programs of
+        a TSP plan are the plain tensor-parallel ones over the same weight shards (the layouts are
+        the same by construction): docs/tsp.md."""
         return [("tsp", {"placements": placements, "rank": rank, "tsp": self.tsp, "group": group,
                          "training": self.training})]
 

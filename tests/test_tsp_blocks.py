@@ -122,6 +122,40 @@ def test_packed_state_passing_stops_at_sequence_starts(length, fresh_seed):
              seq, {"A": -torch.rand(h) - 0.1}, world, 1, fresh_seed)
 
 
+def _per_sequence(op, cu, dim, sequence_args):
+    """The sequential reference of a packed row: ``op`` over each sequence on its own (no
+    cu_seqlens, a zero initial state), outputs concatenated in order."""
+    def full(**kwargs):
+        pieces = []
+        for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            sliced = {k: (v.narrow(dim, start, end - start) if k in sequence_args else v) for k, v in kwargs.items()}
+            pieces.append(op(**sliced))
+        return torch.cat(pieces, dim)
+    return full
+
+
+@pytest.mark.parametrize("world,length", [(2, 8), (3, 12), (3, 14)])
+def test_packed_state_passing_equals_each_sequence_alone(world, length, fresh_seed):
+    """Packed rows against each sequence scanned on its own: boundaries on every rank boundary of
+    a 3-way split (and one inside a chunk); values and gradients."""
+    cu = _packed(length)
+    d, n, h, p = 4, 4, 2, 3
+    seq = {"u": (torch.randn(1, d, length), -1), "delta": (torch.randn(1, d, length) * 0.5, -1),
+           "B": (torch.randn(1, n, length), -1), "C": (torch.randn(1, n, length), -1)}
+    _compare(_per_sequence(lambda u, delta, A, B, C: torch.ops.ssmshard.selective_scan(
+                 u, delta, A, B, C, None, None, None, True, None)[0], cu, -1, seq),
+             lambda u, delta, A, B, C, rank, group: sequence_blocks.selective_scan(
+                 u, delta, A, B, C, None, None, None, True, rank, group, cu)[0],
+             seq, {"A": -torch.rand(d, n) - 0.1}, world, -1, fresh_seed)
+    seq = {"x": (torch.randn(1, length, h, p), 1), "dt": (torch.randn(1, length, h) * 0.5, 1),
+           "B": (torch.randn(1, length, 1, n), 1), "C": (torch.randn(1, length, 1, n), 1)}
+    _compare(_per_sequence(lambda x, dt, A, B, C: torch.ops.ssmshard.ssd_scan(
+                 x, dt, A, B, C, 4, None, None, None, True, 0.0, float("inf"))[0], cu, 1, seq),
+             lambda x, dt, A, B, C, rank, group: sequence_blocks.ssd_scan(
+                 x, dt, A, B, C, 4, None, None, True, 0.0, float("inf"), rank, group, cu)[0],
+             seq, {"A": -torch.rand(h) - 0.1}, world, 1, fresh_seed)
+
+
 @pytest.mark.parametrize("world,length", [(2, 7), (4, 5)])
 def test_sharded_causal_attention(world, length, fresh_seed):
     b, hq, hk, e = 2, 4, 2, 8

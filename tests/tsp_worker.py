@@ -89,18 +89,33 @@ def memory_results(rank, world, cases, lengths, out_path):
     _write_on_rank0(rank, results, out_path)
 
 
-def generate_results(rank, world, families, seed, out_path):
-    """Greedy generation of a TSP DistributedModule (its prefill and decode are the TP programs
-    over the same weight shards) against HF's."""
+def generate_results(rank, world, cases, seed, out_path):
+    """Greedy generation of a TSP DistributedModule against HF's: the prompt is prefilled with its
+    tokens split over the ranks (the TSP prefill program), decoded by the TP decode program over
+    the same weight shards. Prompts: a left-padded batch (lengths 5, 12, 9) and an unpadded batch
+    of 3 tokens (shorter than D x the conv kernel: the prefill pads it so the last rank holds the
+    whole conv window). Also the prefill's last-token logits against HF eager's."""
     from generate_hf_arguments import hf_reference
     from generate_worker import left_padded_prompts
+    from ssmshard.runtime.tsp_prefill import SequenceShardedPrefill
 
     results = []
-    for family in families:
-        model = small_model(family)
-        ids, mask = left_padded_prompts(model.config.vocab_size, (5, 12, 9), seed)
+    for family, overrides in cases:
+        model = small_model(family, **overrides)
+        vocab = model.config.vocab_size
         dm = ssmshard.parallelize(model, ssmshard.Plan(tsp=world))
-        ours = dm.generate(ids, mask, max_new_tokens=12)
-        hf = hf_reference(lambda: model.generate(ids, attention_mask=mask, max_new_tokens=12))
-        results.append({"family": family, "equal": torch.equal(ours, hf), "ours": ours.tolist(), "hf": hf.tolist()})
+        prefill, _ = dm.generation_programs()
+        result = {"family": family, "sequence_sharded": isinstance(prefill, SequenceShardedPrefill)
+                  and prefill.program.shard["policy"] == "tsp", "equal": [], "prefill_err": []}
+        padded = left_padded_prompts(vocab, (5, 12, 9), seed)
+        short = (torch.randint(1, vocab, (2, 3), generator=torch.Generator().manual_seed(seed)), None)
+        for ids, mask in (padded, short):
+            ours = dm.generate(ids, mask, max_new_tokens=6)
+            hf = hf_reference(lambda: model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False))
+            result["equal"].append(torch.equal(ours, hf))
+            logits, _ = dm.prefill(ids, mask)
+            with torch.no_grad():
+                want = model(ids, attention_mask=mask).logits[:, -1:]
+            result["prefill_err"].append(rel_err(logits, want))
+        results.append(result)
     _write_on_rank0(rank, results, out_path)

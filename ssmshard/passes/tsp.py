@@ -65,20 +65,27 @@ class _Rewriter:
 
     # ------------------------------------------------------------- tokens
     def split_tokens(self):
+        """Every user input (the ids; a prefill's attention mask and positions too) is split along
+        the sequence right after the placeholders, and every use reads the local chunk."""
         placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
         users = [n for n in placeholders if self.inputs[n.name].kind == "user"]
-        if self.program.mode != "forward" or self.program.packed or len(users) != 1:
-            raise ShardingError(f"the tsp pass shards forward programs over input_ids only, not a "
-                                f"{'packed ' if self.program.packed else ''}{self.program.mode} program")
+        mode = self.program.mode
+        if self.program.packed or mode not in ("forward", "prefill") or (mode == "forward" and len(users) != 1):
+            raise ShardingError(f"the tsp pass shards forward programs over input_ids and prefill programs, not a "
+                                f"{'packed ' if self.program.packed else ''}{mode} program")
         ids = users[0]
         with self.graph.inserting_after(placeholders[-1]):
             self.length = self.call(aten.sym_size.int, (ids, 1), None)
-        with self.graph.inserting_after(self.length):
-            self.local_ids = self.call(ssm.split.default, (ids, 1, self.group), None)
-        self.local_ids.meta["placement"] = SeqShard(1)
-        keep = {self.local_ids, self.length}
-        ids.replace_all_uses_with(self.local_ids, delete_user_cb=lambda user: user not in keep)
-        self.local_length_nodes = {n for n in self.local_ids.users
+        anchor, self.local_inputs = self.length, {}
+        for user in users:
+            with self.graph.inserting_after(anchor):
+                local = anchor = self.call(ssm.split.default, (user, 1, self.group), None)
+            local.meta["placement"] = SeqShard(1)
+            self.local_inputs[user.name] = local
+            keep = {local, self.length}
+            user.replace_all_uses_with(local, delete_user_cb=lambda use, keep=keep: use not in keep)
+        self.local_ids = self.local_inputs[ids.name]
+        self.local_length_nodes = {n for local in self.local_inputs.values() for n in local.users
                                    if n.target is aten.sym_size.int and n.args[1] in (1, -1)}
 
     def offset_positions(self):
@@ -162,12 +169,41 @@ class _Rewriter:
         a = dict(zip(schema, node.args)) | dict(node.kwargs)
         if a.get("dropout_p", 0.0) not in (0, 0.0):
             raise ShardingError(f"Plan(tsp=...) supports attention without dropout; {node.name} has dropout")
-        # Forward programs take no attention mask: the captured mask is the causal one (rebuilt
-        # from global positions by sequence_blocks.causal_attention).
-        kwargs = {"scale": a.get("scale"), "enable_gqa": a.get("enable_gqa", False)}
+        # The captured mask is the causal one, over padding in prefill (left-padded prompts):
+        # sequence_blocks.causal_attention rebuilds it from global positions and, in prefill, from
+        # the attention mask's local chunk (all-gathered there).
+        kwargs = {"scale": a.get("scale"), "enable_gqa": a.get("enable_gqa", False),
+                  "key_mask": self.local_inputs.get("attention_mask")}
         return (sequence_blocks.causal_attention, (a["query"], a["key"], a["value"], self.rank, self.group), kwargs)
 
     # ------------------------------------------------------------- output
+    def gather_outputs(self):
+        if self.program.mode == "prefill":
+            self.prefill_outputs()
+        else:
+            self.gather_logits()
+
+    def prefill_outputs(self):
+        """The prompt's last token is the last rank's (the runtime left-pads the prompt to
+        ``D * c`` tokens, ``sequence_blocks.SequenceShardedPrefill``), and so are the SSM and conv
+        states after it: they are broadcast from the last rank. Keys and values are all-gathered
+        along their positions. Every output is then whole on every rank (``R``)."""
+        from ..runtime.static_kv import KV_KINDS, KV_POSITIONS  # (runtime imports the passes)
+
+        output = next(n for n in self.graph.nodes if n.op == "output")
+        logits, *states = output.args[0]
+        last = self.world - 1
+        outs = []
+        for value, spec in zip([logits, *states], [None, *self.program.state_specs]):
+            with self.graph.inserting_before(output):
+                if spec is not None and spec.kind in KV_KINDS:
+                    node = self.call(ssm.all_gather.default, (value, KV_POSITIONS, self.group), value)
+                else:
+                    node = self.call(ssm.broadcast.default, (value, last, self.group), value)
+            node.meta["placement"] = REPLICATE
+            outs.append(node)
+        output.args = (tuple(outs),)
+
     def gather_logits(self):
         output = next(n for n in self.graph.nodes if n.op == "output")
         values = output.args[0]
@@ -202,6 +238,13 @@ def _same_size(a, b) -> bool:
     return a.node.expr == b.node.expr
 
 
+def _conv_width(graph) -> int:
+    """The widest causal conv's kernel (1 without convs): a prefill's conv state is the last that
+    many tokens, so the rank holding the prompt's end must hold at least as many."""
+    widths = [n.args[1].meta["val"].shape[-1] for n in graph.nodes if n.target is ssm.causal_conv1d.default]
+    return max(widths, default=1)
+
+
 # Ops whose forward programs would carry state across tokens in a way this pass does not rewrite.
 _TOKEN_MIXING_UNSUPPORTED = (ssm.causal_conv1d_update.default, ssm.selective_state_update.default)
 
@@ -212,14 +255,17 @@ def tsp(program, ctx):
     options = ctx.options
     declare_group_size(options["group"], options["tsp"])  # fake shapes of collectives before the group exists
     rewriter = _Rewriter(program, options)
+    min_chunk = _conv_width(program.graph)
     rewriter.split_tokens()
     rewriter.offset_positions()
     rewriter.gather_weights()
     rewriter.sequence_ops()
-    rewriter.gather_logits()
+    rewriter.gather_outputs()
     program.graph.eliminate_dead_code()
     program.graph_module.recompile()
     rewriter.record_placements()
+    outputs = [REPLICATE] * (1 + len(program.state_specs) if program.mode == "prefill" else 1)
     program.shard = {"rank": options["rank"], "tp": options["tsp"], "tsp": options["tsp"], "group": options["group"],
-                     "training": rewriter.training, "policy": "tsp", "outputs": [REPLICATE]}
+                     "training": rewriter.training, "policy": "tsp", "outputs": outputs,
+                     "min_chunk": min_chunk}
     return program

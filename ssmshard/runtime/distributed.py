@@ -111,28 +111,44 @@ class DistributedModule(torch.nn.Module):
 
         Prefill returns each state sharded like the channels or heads that produce it; decode
         takes the states with exactly those placements and must return them unchanged, so the
-        state cache never crosses ranks.
+        state cache never crosses ranks. Under ``Plan(tsp=...)`` prefill splits the prompt's tokens
+        over the ranks and hands decode its states in that same layout (``tsp_prefill.py``).
         """
         if self._generation is None:
             if self._model is None:
                 raise RuntimeError("this DistributedModule was built without its model; generation needs it")
             prefill = shard_program(capture(self._model, mode="prefill"), self._model, self.plan, **self._shard_options)
             self._generation = {"prefill": prefill, "decode": self._stateful_program("decode", prefill)}
-        return self._bound(self._generation["prefill"]), self._bound(self._generation["decode"])
+            if self.plan.tsp > 1:
+                self._generation["tsp_prefill"] = shard_program(capture(self._model, mode="prefill"), self._model,
+                                                                self.plan, sequence_sharded=True,
+                                                                **self._shard_options)
+        return self._prefill_step(), self._bound(self._generation["decode"])
+
+    def _prefill_step(self):
+        """What generation prefills with: the prefill program, or under TSP the sequence-sharded one
+        with its states re-laid for the tensor-parallel decode program."""
+        if self.plan.tsp == 1:
+            return self._bound(self._generation["prefill"])
+        from .tsp_prefill import SequenceShardedPrefill
+
+        return SequenceShardedPrefill(self._bound(self._generation["tsp_prefill"]), self._generation["prefill"],
+                                      self.rank)
 
     def chunk_program(self):
         """This rank's chunked-prefill program (prefill continued from states), on first use."""
-        prefill, _ = self.generation_programs()
+        self.generation_programs()
         if "chunk" not in self._generation:
-            self._generation["chunk"] = self._stateful_program("chunk", prefill)
+            self._generation["chunk"] = self._stateful_program("chunk", self._generation["prefill"])
         return self._bound(self._generation["chunk"])
 
     def static_decode_program(self):
         """This rank's decode program over static key/value buffers (``runtime/static_kv.py``),
         on first use: the keys/values sharded by heads as prefill returns them."""
-        prefill, _ = self.generation_programs()
+        self.generation_programs()
         if "static_decode" not in self._generation:
-            self._generation["static_decode"] = self._stateful_program("decode", prefill, static_kv=True)
+            self._generation["static_decode"] = self._stateful_program("decode", self._generation["prefill"],
+                                                                       static_kv=True)
         return self._bound(self._generation["static_decode"])
 
     def _stateful_program(self, mode, prefill, **capture_options):
@@ -169,7 +185,8 @@ class DistributedModule(torch.nn.Module):
 
     def state_placements(self):
         """Placement of each state tensor of the cache (see ``generation_programs``)."""
-        return self.generation_programs()[0].shard["outputs"][1:]
+        self.generation_programs()
+        return self._generation["prefill"].shard["outputs"][1:]
 
     def prefill(self, input_ids, attention_mask=None, *, chunk_size=None):
         """``(last-token logits, states)`` of a (left-padded) prompt batch; with ``chunk_size``,

@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 
 
 def shard_program(program, model, plan, *, rank: int, group: str, kernels: str = "reference",
-                  placements=None, prefill=None):
+                  placements=None, prefill=None, sequence_sharded: bool = False):
     """``program`` rewritten into rank ``rank``'s program of ``plan`` (a :class:`~ssmshard.Plan`).
 
     The passes are ``plan.pipeline(...)``'s: the sharding passes (``propagate``, ``localize``,
@@ -29,7 +29,8 @@ def shard_program(program, model, plan, *, rank: int, group: str, kernels: str =
 
     Decode and chunk programs take the states as prefill returns them: pass this rank's
     sharded ``prefill`` program; the result is checked to return every state as it takes it,
-    so the state cache never crosses ranks.
+    so the state cache never crosses ranks. ``sequence_sharded``: a prefill program of a TSP plan
+    as the ``tsp`` pass makes it (``Plan.pipeline``).
     """
     if placements is None:
         placements = plan.layout(program, model)
@@ -42,7 +43,7 @@ def shard_program(program, model, plan, *, rank: int, group: str, kernels: str =
         # After input_ids, attention_mask and position_ids come the states, in prefill's order.
         input_placements = {3 + i: p for i, p in enumerate(states)}
     steps = plan.pipeline(program.mode, placements=placements, rank=rank, group=group, kernels=kernels,
-                          input_placements=input_placements)
+                          input_placements=input_placements, sequence_sharded=sequence_sharded)
     what = f"rank {rank} of tp={plan.tp}, {program.mode} program"
     log.info("%s: running %s", what, ", ".join(step if isinstance(step, str) else step[0] for step in steps))
     # One step at a time, so the log can say what each pass took, its verification included.
