@@ -32,8 +32,13 @@ from spd_accuracy import load_case_inputs  # noqa: E402
 
 
 def default_train(model, drop: str) -> list[str]:
-    """The decoder layer after the dropped sync point's layer: the block its drop makes approximate."""
-    layer = int(drop.split(".")[1])
+    """The decoder layer after the dropped sync point's layer: it holds the block whose input the
+    drop makes approximate where the sync point ends its layer (``out_proj``, ``down_proj``)."""
+    parts = drop.split(".")
+    if len(parts) != 3 or parts[0] != "layers" or parts[2] not in ("out_proj", "down_proj"):
+        raise SystemExit(f"no default --train for {drop}: the block after it is in the same layer or is not a layer; "
+                         "name the parameters to train with --train")
+    layer = int(parts[1])
     prefixes = {n.rsplit(f".{layer + 1}.", 1)[0] for n, _ in model.named_parameters() if f"layers.{layer + 1}." in n}
     if len(prefixes) != 1:
         raise SystemExit(f"cannot tell the layer after {drop} (found {sorted(prefixes)}); pass --train")
@@ -62,7 +67,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--drop", nargs="+", default=["layers.0.out_proj"], help="sync points dropped")
     parser.add_argument("--train", nargs="+", default=None, help="parameter names or globs to train "
-                        "(default: the layer after the first dropped sync point's layer)")
+                        "(default, for an out_proj or down_proj: the decoder layer after its layer)")
     parser.add_argument("--window", type=int, default=128)
     parser.add_argument("--calibration-windows", type=int, default=32)
     parser.add_argument("--heldout-windows", type=int, default=32)
