@@ -15,6 +15,7 @@ this process, the values of a real run):
 
     python benchmarks/spd_accuracy.py --models-dir DIR [--tp 2 4] [--jobs 6] [--out FILE]
     python benchmarks/spd_accuracy.py --smoke --out FILE   # tiny random models: checks the script
+    python benchmarks/spd_accuracy.py --replot [--out FILE] [--include OTHER.json ...]  # table and plots again
 
 DIR holds one ``from_pretrained`` folder per model and ``splits.safetensors`` (the calibration
 and held-out token streams, benchmarks/small_corpus.py). Each (model, tp) case runs in its own
@@ -202,10 +203,15 @@ def main() -> None:
                                                       "spd_accuracy.json"))
     parser.add_argument("--smoke", action="store_true", help="a tiny random llama at tp 2: checks the script")
     parser.add_argument("--replot", action="store_true", help="print the table and draw the plots of --out again")
+    parser.add_argument("--include", nargs="+", default=[], help="with --replot: also the cases of these JSON files "
+                        "(other runs, e.g. other tp), in the table and the plots of --out")
     args = parser.parse_args()
     if args.replot:
-        with open(args.out) as f:
-            results = json.load(f)["cases"]
+        results = []
+        for path in [args.out] + args.include:
+            with open(path) as f:
+                results += json.load(f)["cases"]
+        results.sort(key=lambda c: (FAMILIES.index(c["model"]), c["tp"]))
         print_table(results)
         write_plots(args.out, results)
         return

@@ -22,7 +22,8 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "benchmarks")
 SCRIPTS = ["allreduce_gpu.py", "bench_capture.py", "decode_gpu.py", "bench_selective_scan.py", "bench_ssd_scan.py",
-           "bench_causal_conv1d.py", "generate_gpu.py", "scaling_gpu.py", "spd_accuracy.py", "static_kv_decode_gpu.py", "tp_gpu.py",
+           "bench_causal_conv1d.py", "generate_gpu.py", "scaling_gpu.py", "spd_accuracy.py", "spd_recovery.py",
+           "static_kv_decode_gpu.py", "tp_gpu.py",
            "train_packed.py", "train_small_models.py", "tsp_memory.py"]
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
@@ -65,6 +66,11 @@ SMOKES = {
                              and c["heldout"]["variants"]["int8"]["all_reduces"]["quantized"] > 0
                              and c["heldout"]["variants"]["spd"]["all_reduces"]["dropped"] == c["dropped"]
                              for c in r["cases"])),
+    "spd_recovery": (["spd_recovery.py", "--out", "{out}/rec.json"], "rec.json", "rec.png",
+                     lambda r: r["recovery"]["steps"] == len(r["recovery"]["losses"]) == 3
+                     and set(r["heldout"]["perplexity"]) == {"eager", "tp", "spd_before", "spd_after"}
+                     and r["recovery"]["trained"] and all(n.startswith("backbone.layers.1.")
+                                                          for n in r["recovery"]["trained"])),
     "tp_forward": (["tp_gpu.py", "throughput", "--out", "{out}"], "throughput_tp2.json", "throughput.png",
                    lambda r: r["tp"] == 2 and r["tokens_per_s"] > 0),
     "tsp_memory": (["tsp_memory.py", "--out", "{out}"], "tsp_memory.json", "tsp_memory.png",

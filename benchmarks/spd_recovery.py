@@ -1,0 +1,145 @@
+"""Recovery of a sensitive dropped sync point by distillation (``ssmshard.spd_recovery.recover``)
+on a trained small model, on a :class:`ssmshard.SimulatedMesh` (CPU, fp32).
+
+Drops ``--drop`` at ``--tp``, trains the parameters ``--train`` names (default: the decoder layer
+after the dropped sync point's layer, the block whose input the drop makes approximate) to match
+the exact model's next-token distributions on the CALIBRATION split, and reports the held-out
+perplexity of the unsharded model, exact TP, SPD before and SPD after recovery, with the
+calibration KL before and after and the loss per step.
+
+    python benchmarks/spd_recovery.py --models-dir DIR --model mamba2 --tp 2 --drop layers.0.out_proj
+    python benchmarks/spd_recovery.py --smoke --out FILE   # a tiny random model: checks the script
+
+Writes JSON to --out (default benchmarks/results/spd_accuracy/spd_recovery.json) and a PNG of the
+loss per step beside it; ``--save-dir`` also writes the recovered checkpoint (``save_pretrained``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import platform
+import sys
+import time
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_common  # noqa: E402
+from spd_accuracy import load_case_inputs  # noqa: E402
+
+
+def default_train(model, drop: str) -> list[str]:
+    """The decoder layer after the dropped sync point's layer: it holds the block whose input the
+    drop makes approximate where the sync point ends its layer (``out_proj``, ``down_proj``)."""
+    parts = drop.split(".")
+    if len(parts) != 3 or parts[0] != "layers" or parts[2] not in ("out_proj", "down_proj"):
+        raise SystemExit(f"no default --train for {drop}: the block after it is in the same layer or is not a layer; "
+                         "name the parameters to train with --train")
+    layer = int(parts[1])
+    prefixes = {n.rsplit(f".{layer + 1}.", 1)[0] for n, _ in model.named_parameters() if f"layers.{layer + 1}." in n}
+    if len(prefixes) != 1:
+        raise SystemExit(f"cannot tell the layer after {drop} (found {sorted(prefixes)}); pass --train")
+    return [f"{prefixes.pop()}.{layer + 1}.*"]
+
+
+def plot_losses(path: str, losses: list[float], title: str) -> None:
+    plt = bench_common.pyplot(path)
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    ax.plot(range(1, len(losses) + 1), losses, marker=".")
+    ax.set_xlabel("step")
+    ax.set_ylabel("batch KL(exact || SPD), nats per token")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models-dir", default=os.path.join(ROOT, "benchmarks", "results", "trained_models"))
+    parser.add_argument("--model", default="mamba2")
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--drop", nargs="+", default=["layers.0.out_proj"], help="sync points dropped")
+    parser.add_argument("--train", nargs="+", default=None, help="parameter names or globs to train "
+                        "(default, for an out_proj or down_proj: the decoder layer after its layer)")
+    parser.add_argument("--window", type=int, default=128)
+    parser.add_argument("--calibration-windows", type=int, default=32)
+    parser.add_argument("--heldout-windows", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=4, help="windows per training step")
+    parser.add_argument("--eval-batch-size", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0, help="smoke model's weights and tokens")
+    parser.add_argument("--smoke", action="store_true", help="a tiny random mamba2 at tp 2: checks the script")
+    parser.add_argument("--save-dir", default=None, help="also save the recovered checkpoint here")
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "spd_accuracy",
+                                                      "spd_recovery.json"))
+    args = parser.parse_args()
+    if args.smoke:
+        args.model, args.tp = "mamba2", 2
+        args.window, args.calibration_windows, args.heldout_windows, args.steps = 16, 4, 2, 3
+        args.batch_size, args.eval_batch_size = 2, 2
+
+    import torch
+    import transformers
+
+    import ssmshard
+    from ssmshard import Plan, SimulatedMesh
+    from ssmshard.eval import perplexity
+    from ssmshard.spd_recovery import recover
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    model, streams = load_case_inputs(args.model, args)
+    train = args.train or default_train(model, args.drop[0])
+    plan = Plan(tp=args.tp, drop_syncs=list(args.drop))
+    program = ssmshard.capture(model, mode="forward")
+    heldout = dict(window=args.window, batch_size=args.eval_batch_size, max_windows=args.heldout_windows)
+
+    def heldout_perplexity(fn) -> float:
+        return perplexity(fn, streams["heldout"], **heldout).perplexity
+
+    rows = {"eager": heldout_perplexity(lambda ids: model(ids).logits),
+            "tp": heldout_perplexity(SimulatedMesh(model, Plan(tp=args.tp), program=program)),
+            "spd_before": heldout_perplexity(SimulatedMesh(model, plan, program=program))}
+    print(f"held-out: eager {rows['eager']:.3f}, exact tp {rows['tp']:.3f}, spd before {rows['spd_before']:.3f}",
+          flush=True)
+    trained_at = time.perf_counter()
+    result = recover(model, plan, streams["calibration"], train=train, window=args.window,
+                     batch_size=args.batch_size, max_windows=args.calibration_windows, steps=args.steps, lr=args.lr)
+    train_s = time.perf_counter() - trained_at
+    rows["spd_after"] = heldout_perplexity(SimulatedMesh(model, plan, program=ssmshard.capture(model, mode="forward")))
+    print(f"held-out: spd after {rows['spd_after']:.3f}; calibration KL {result.kl_before:.4f} -> {result.kl_after:.4f}"
+          f" ({result.trained_numel} weights trained in {train_s:.0f} s)", flush=True)
+    if args.save_dir:
+        model.save_pretrained(args.save_dir)
+        print(f"wrote {args.save_dir}")
+
+    exact = rows["tp"]
+    out = {"device": "CPU (SimulatedMesh, fp32)",
+           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+           "command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
+           "machine": {"cpu_count": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+                       "transformers": transformers.__version__},
+           "args": vars(args), "model": args.model, "tp": args.tp, "drop_syncs": list(args.drop),
+           "heldout": {"windows": args.heldout_windows, "window": args.window,
+                       "perplexity": rows, "relative_change_vs_tp": {k: v / exact - 1 for k, v in rows.items()}},
+           "recovery": result.as_dict(), "train_s": train_s, "wall_s": time.perf_counter() - started}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {args.out}")
+    plot_losses(os.path.splitext(args.out)[0] + ".png", result.losses,
+                f"{args.model} tp={args.tp}, {' '.join(args.drop)} dropped: training {' '.join(train)}")
+
+
+if __name__ == "__main__":
+    main()
