@@ -155,7 +155,10 @@ def test_a_rank_skipping_a_collective_ends_the_run_with_the_waiting_rank_named(t
     assert re.search(r"LaunchError: rank 0 of 2 failed; the other ranks were stopped: CollectiveError: rank 0 "
                      r"waited in all_reduce over process group '\w+' \(2 ranks\) and it failed\.", out), out
     assert "a wait is bounded by the process group's timeout (4 s)" in out, out
-    assert ("Timed out" if scenario == "skip_all_reduce" else "Connection closed by peer") in out, out
+    if scenario == "skip_all_reduce":
+        assert "Timed out" in out, out
+    else:  # rank 1 exited: gloo reports the closed socket as "closed" or "reset", by timing
+        assert re.search(r"Connection (closed|reset) by peer", out), out
     if scenario == "skip_all_reduce":  # rank 1 is alive: the timeout ends the wait
         assert elapsed >= timeout - 1, (elapsed, out)
     assert not _wait_gone(pids, 5)
