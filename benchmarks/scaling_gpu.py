@@ -19,6 +19,7 @@ Glossary: N ranks, L layers kept, b batch, l prompt tokens, n new tokens.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -66,52 +67,64 @@ def keep_layers(config, layers: int):
     return config
 
 
-def timed(device, fn, repeats: int) -> float:
+@dataclasses.dataclass
+class Ranks:
+    """This process's place in the launcher: its device, and the groups the timings use."""
+    device: torch.device
+    rank: int
+    world: int
+    cpu_group: object  # gloo: the slowest rank's time and the budget, off the GPUs' streams
+    solo_groups: list  # one single-rank group per rank: each tp1 copy runs alone
+
+
+def timed(ranks: Ranks, fn, repeats: int) -> float:
     """Median seconds of ``fn`` (after one warm-up), each timing ended by the slowest rank."""
     fn()
     times = []
     for _ in range(repeats):
         dist.barrier()
-        synchronize(device)
+        synchronize(ranks.device)
         start = time.perf_counter()
         fn()
-        synchronize(device)
+        synchronize(ranks.device)
         local = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=CPU_GROUP)
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=ranks.cpu_group)
         times.append(local.item())
     return statistics.median(times)
 
 
-def measure(dm, vocab, args, device) -> dict:
+def measure(dm, vocab, args, ranks: Ranks) -> dict:
+    device = ranks.device
     row = {}
     for batch in args.decode_batch:
         ids = prompt_ids(vocab, batch, args.decode_prompt, args.seed).to(device)
-        first = timed(device, lambda: dm.generate(ids, max_new_tokens=1), args.repeats)
-        full = timed(device, lambda: dm.generate(ids, max_new_tokens=args.new_tokens), args.repeats)
+        first = timed(ranks, lambda: dm.generate(ids, max_new_tokens=1), args.repeats)
+        full = timed(ranks, lambda: dm.generate(ids, max_new_tokens=args.new_tokens), args.repeats)
         row[f"tpot_ms_b{batch}"] = 1e3 * (full - first) / (args.new_tokens - 1)
     row["new_ids_b1"] = dm.generate(prompt_ids(vocab, 1, args.decode_prompt, args.seed).to(device),
                                     max_new_tokens=args.new_tokens)[0, args.decode_prompt:].tolist()
     long = prompt_ids(vocab, 1, args.prompt, args.seed).to(device)
-    row["ttft_ms"] = 1e3 * timed(device, lambda: dm.generate(long, max_new_tokens=1), args.repeats)
+    row["ttft_ms"] = 1e3 * timed(ranks, lambda: dm.generate(long, max_new_tokens=1), args.repeats)
     batch = prompt_ids(vocab, args.prefill_batch, args.prompt, args.seed).to(device)
     reset_peak(device)
     with torch.no_grad():
-        seconds = timed(device, lambda: dm(batch), args.repeats)
+        seconds = timed(ranks, lambda: dm(batch), args.repeats)
     row["prefill_tok_s"] = args.prefill_batch * args.prompt / seconds
     row["prefill_peak_gib"] = peak_gib(device)
     return row
 
 
-def run_variant(name, plan, config, args, device, rank, world) -> dict:
+def run_variant(name, plan, config, args, ranks: Ranks) -> dict:
+    device, world = ranks.device, ranks.world
     model = build_random_model(config, device, torch.float32 if args.smoke else torch.bfloat16, args.seed)
     started = time.perf_counter()
-    group = SOLO_GROUPS[rank] if plan.tp == 1 else None
+    group = ranks.solo_groups[ranks.rank] if plan.tp == 1 else None
     dm = ssmshard.parallelize(model, plan, group=group)
     dm.generation_programs()
     setup_s = time.perf_counter() - started
     model.to_empty(device="meta")
     row = {"variant": name, "tp": plan.tp, "copies": world // plan.tp, "setup_s": setup_s,
-           "syncs_dropped": len(plan.drop_syncs), **measure(dm, config.vocab_size, args, device)}
+           "syncs_dropped": len(plan.drop_syncs), **measure(dm, config.vocab_size, args, ranks)}
     del dm
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -120,15 +133,15 @@ def run_variant(name, plan, config, args, device, rank, world) -> dict:
 
 
 def main_ranks(args):
-    global CPU_GROUP, SOLO_GROUPS
     backend = "gloo" if args.smoke else "nccl"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.collective_timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cpu") if args.smoke else torch.device("cuda", rank % torch.cuda.device_count())
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    CPU_GROUP = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.collective_timeout_s))
-    SOLO_GROUPS = [dist.new_group([r]) for r in range(world)]  # every rank joins every new_group call
+    ranks = Ranks(device, rank, world,
+                  cpu_group=dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.collective_timeout_s)),
+                  solo_groups=[dist.new_group([r]) for r in range(world)])  # every rank joins every new_group call
     models = {"tiny-mamba": BY_NAME["mamba"].make_config} if args.smoke else {m: GPU_MODELS[m] for m in args.models}
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "scaling.jsonl")
@@ -139,12 +152,12 @@ def main_ranks(args):
             if args.variants and name not in args.variants:
                 continue
             elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=CPU_GROUP)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=ranks.cpu_group)
             if elapsed.item() > args.budget_s:
                 if rank == 0:
                     print(f"skipped {model_name} {name}: over --budget-s", flush=True)
                 continue
-            row = run_variant(name, plan, config, args, device, rank, world)
+            row = run_variant(name, plan, config, args, ranks)
             if rank == 0:
                 row.update(model=model_name, layers=config.num_hidden_layers, ranks=world,
                            device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -154,7 +167,7 @@ def main_ranks(args):
                     f.write(json.dumps(row) + "\n")
                 print(f"{model_name} {name}: " + ", ".join(f"{k} {v:.4g}" for k, v in row.items()
                                                            if isinstance(v, float)), flush=True)
-    dist.barrier(group=CPU_GROUP)
+    dist.barrier(group=ranks.cpu_group)
     dist.destroy_process_group()
 
 
