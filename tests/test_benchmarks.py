@@ -22,7 +22,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "benchmarks")
 SCRIPTS = ["allreduce_gpu.py", "bench_capture.py", "decode_gpu.py", "bench_selective_scan.py", "bench_ssd_scan.py",
-           "bench_causal_conv1d.py", "generate_gpu.py", "scaling_gpu.py", "spd_accuracy.py", "spd_recovery.py",
+           "bench_causal_conv1d.py", "decode_profile.py", "generate_gpu.py", "scaling_gpu.py", "spd_accuracy.py", "spd_recovery.py",
            "static_kv_decode_gpu.py", "tp_gpu.py",
            "train_packed.py", "train_small_models.py", "tsp_memory.py"]
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -60,6 +60,9 @@ SMOKES = {
                       and all(e["state_exact"] for e in r["update"])),
     "allreduce": (["allreduce_gpu.py", "--out", "{out}"], "allreduce_tp2.json", "allreduce_tp2.png",
                   lambda r: r["tp"] == 2 and all(row["nccl_eager"] > 0 for row in r["rows"])),
+    "decode_profile": (["decode_profile.py", "--out", "{out}"], "decode_profile.json", "decode_profile.png",
+                       lambda r: list(r["results"]) == ["tp1"]
+                       and all(c["kernels_per_step"] > 0 and c["kernels"] for c in r["results"]["tp1"]["batches"].values())),
     "spd_accuracy": (["spd_accuracy.py", "--out", "{out}/spd.json"], "spd.json", "spd.png",
                      lambda r: [(c["model"], c["tp"]) for c in r["cases"]] == [("llama", 2)] and r["complete"]
                      and all(set(c["heldout"]["variants"]) == {"tp", "spd", "int8", "fp8", "spd+int8"}
