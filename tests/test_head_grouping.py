@@ -1,0 +1,118 @@
+"""``ssmshard.head_grouping``: the head permutation leaves the Hugging Face model's outputs
+unchanged (attention with key/value groups, Mamba-2 with one and several SSM groups, a Zamba2
+mamba layer), grouping lowers the SPD error where the model is built so that it must, and the
+errors name what is wrong."""
+
+import copy
+
+import pytest
+import torch
+
+import ssmshard
+from ssmshard.head_grouping import group_heads, permute_heads
+from ssmshard.plan import PlanError
+from ssmshard.testing import rel_err
+
+from conftest import small_model
+
+TOL = 1e-5
+
+# (family, overrides, sync point, heads, heads per unit)
+PERMUTED = {
+    "llama_gqa": ("llama", {"attention_bias": True}, "layers.0.o_proj", 4, 2),
+    "mamba2_groups": ("mamba2", {}, "layers.1.out_proj", 8, 4),
+    "mamba2_one_group": ("mamba2", {"n_groups": 1}, "layers.0.out_proj", 8, 1),
+    "zamba2_mamba": ("zamba2", {}, "layers.0.out_proj", 8, 4),
+}
+
+
+def _unit_permutation(heads, per_unit, gen):
+    """A random permutation that moves whole units and shuffles heads within each."""
+    units = torch.randperm(heads // per_unit, generator=gen).tolist()
+    return [u * per_unit + int(k) for u in units for k in torch.randperm(per_unit, generator=gen)]
+
+
+def _ids(model, seed, shape=(2, 11)):
+    return torch.randint(0, model.config.vocab_size, shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("case", list(PERMUTED))
+def test_permuted_model_equals_the_original(case, fresh_seed):
+    family, overrides, point, heads, per_unit = PERMUTED[case]
+    original = small_model(family, **overrides)
+    model = copy.deepcopy(original)
+    gen = torch.Generator().manual_seed(fresh_seed)
+    permutation = _unit_permutation(heads, per_unit, gen)
+    while permutation == list(range(heads)):
+        permutation = _unit_permutation(heads, per_unit, gen)
+    permute_heads(model, point, permutation)
+    ids = _ids(model, fresh_seed)
+    changed = [n for (n, p), q in zip(model.named_parameters(), original.parameters()) if not torch.equal(p, q)]
+    assert changed, "the permutation changed no weight"
+    with torch.no_grad():
+        err = rel_err(model(ids).logits, original(ids).logits)
+    assert err < TOL, f"{case} {permutation}: {err} (seed {fresh_seed})"
+
+
+def test_a_permutation_that_splits_a_unit_is_refused():
+    model = copy.deepcopy(small_model("llama"))  # 4 query heads, 2 key/value heads
+    with pytest.raises(ValueError, match="splits a unit"):
+        permute_heads(model, "layers.0.o_proj", [0, 2, 1, 3])
+
+
+def _duplicated_heads_llama():
+    """A 4-head Llama whose layer-0 heads 1 and 3 are copies of heads 0 and 2: with the contiguous
+    split, rank 0 holds twice head 0 and rank 1 twice head 2, where {0, 2} / {1, 3} gives each
+    rank exactly half of the sum."""
+    model = copy.deepcopy(small_model("llama", num_key_value_heads=4))
+    attn = model.model.layers[0].self_attn
+    d = attn.head_dim
+    with torch.no_grad():
+        for src, dst in ((0, 1), (2, 3)):
+            for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+                proj.weight[dst * d:(dst + 1) * d] = proj.weight[src * d:(src + 1) * d]
+            attn.o_proj.weight[:, dst * d:(dst + 1) * d] = attn.o_proj.weight[:, src * d:(src + 1) * d]
+    return model
+
+
+def test_grouping_lowers_the_spd_error(fresh_seed):
+    point = "layers.0.o_proj"
+    model = _duplicated_heads_llama()
+    original = copy.deepcopy(model)
+    calibration = _ids(model, fresh_seed, (64,)).view(-1)
+    result = group_heads(model, 2, point, calibration, window=16, batch_size=2)
+    # each rank holds one copy of each pair, so P_0 = P_1 = P / 2: sum_i ||P - P_i||^2 = ||P||^2 / 2
+    assert sorted(sorted(g) for g in result.assignment) in ([[0, 2], [1, 3]], [[0, 3], [1, 2]])
+    assert abs(result.error_after - 0.5) < 1e-9, result
+    assert result.error_before > result.error_after
+
+    ids = _ids(model, fresh_seed + 1, (3, 13))  # held-out: fresh ids
+    plan = ssmshard.Plan(tp=2, drop_syncs=[point])
+    with torch.no_grad():
+        assert rel_err(model(ids).logits, original(ids).logits) < TOL  # without SPD: unchanged
+        exact = original(ids).logits
+        before = rel_err(ssmshard.SimulatedMesh(original, plan)(ids), exact)
+        after = rel_err(ssmshard.SimulatedMesh(model, plan)(ids), exact)
+    assert after < before, f"SPD error with grouping {after} >= without {before} (seed {fresh_seed})"
+
+
+@pytest.mark.parametrize("family, point, message", [
+    ("llama", "layers.7.o_proj", "no o_proj in decoder layer 7"),
+    ("llama", "lm_head", "not a sync point name"),
+    ("llama", "embed", "not a sync point name"),
+    ("llama", "layers.0.down_proj", "without heads"),
+    ("mamba", "layers.0.x_proj", "without heads"),
+    ("mamba", "layers.0.out_proj", "Mamba-1 channel grouping is not built"),
+    ("zamba2", "layers.1.o_proj", "shared by several layers"),
+])
+def test_clear_errors(family, point, message):
+    model = copy.deepcopy(small_model(family))
+    calibration = torch.zeros(32, dtype=torch.long)
+    with pytest.raises(PlanError, match=message):
+        group_heads(model, 2, point, calibration, window=16)
+
+
+def test_units_must_divide_over_the_ranks():
+    model = copy.deepcopy(small_model("llama"))  # 2 key/value groups
+    with pytest.raises(PlanError, match="not divisible by tp=4"):
+        group_heads(model, 4, "layers.0.o_proj", torch.zeros(32, dtype=torch.long), window=16)
