@@ -3,7 +3,7 @@ heads each rank holds.
 
 With sync point D dropped, rank i goes on with ``X + P_i`` where the exact model has
 ``X + P``, ``P = sum_i P_i`` and ``P_i`` the sum of the contributions ``O_u`` of the units
-(attention key/value groups, Mamba-2 heads or SSM groups) that rank i holds. Which units a rank
+(attention key/value groups, Mamba-2 heads or SSM groups, Mamba-1 channels) that rank i holds. Which units a rank
 holds is a free choice: tensor parallelism splits the heads into contiguous blocks, and
 re-ordering the heads of a block (its input projections' output rows, its per-head parameters
 and its output projection's input columns together) leaves the model's function unchanged.
@@ -18,8 +18,9 @@ the chosen groups are the contiguous blocks the sharding cuts. The model stays a
 Hugging Face model: its outputs are unchanged without SPD, and any plan reads it.
 
 Search: every balanced partition when there are at most ``EXHAUSTIVE_LIMIT`` of them (8 units
-at tp 2 have 35), otherwise a greedy start (units by decreasing energy, each to the rank where
-it adds least) improved by best-improvement pair swaps until none lowers the objective.
+at tp 2 have 35), otherwise best-improvement pair swaps until none lowers the objective, from
+two starts (greedy: units by decreasing energy, each to the rank where it adds least; and the
+contiguous split, so the result is never worse than no grouping on the calibration data).
 """
 
 from __future__ import annotations
@@ -40,10 +41,10 @@ EXHAUSTIVE_LIMIT = 200_000
 @dataclasses.dataclass
 class HeadGrouping:
     sync_point: str
-    kind: str  # "attention" | "mamba2"
+    kind: str  # "attention" | "mamba2" | "mamba"
     module: str  # the block's module path in the model
     tp: int
-    unit: str  # what is assigned to ranks: "kv_group" (attention), "head" or "ssm_group" (Mamba-2)
+    unit: str  # what is assigned to ranks: "kv_group" (attention), "head" or "ssm_group" (Mamba-2), "channel" (Mamba-1)
     heads_per_unit: int
     assignment: list[list[int]]  # per rank: the original units it holds after the permutation
     head_permutation: list[int]  # new head j is original head head_permutation[j]
@@ -68,7 +69,8 @@ def _block(model, sync_point: str):
     layer, role = match.groups()
     if role not in ("o_proj", "out_proj"):
         raise PlanError(f"head grouping: {sync_point!r} reduces a {role}, an op without heads (only attention "
-                        f"o_proj and Mamba-2 out_proj sync points have heads to group); choose one of {supported}")
+                        f"o_proj and the SSM mixers' out_proj have heads or channels to group); choose one of "
+                        f"{supported}")
     pattern = re.compile(rf"(.*\.)?layers\.{layer}\.(.*\.)?{role}")
     paths = [path for path, _ in model.named_modules() if pattern.fullmatch(path)]
     if not paths:
@@ -85,14 +87,16 @@ def _block(model, sync_point: str):
                         "every caller: not supported")
     kind = _kind(parent)
     if kind is None:
-        raise PlanError(f"head grouping: {parent_path} ({type(parent).__name__}) is neither a Llama-style attention "
-                        "(q/k/v/o_proj) nor a Mamba-2 mixer; Mamba-1 channel grouping is not built")
+        raise PlanError(f"head grouping: {parent_path} ({type(parent).__name__}) is not a Llama-style attention "
+                        "(q/k/v/o_proj), a Mamba-2 mixer or a Mamba-1 mixer")
     return kind, parent_path, parent
 
 
 def _kind(module):
     if all(hasattr(module, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim")):
         return "attention"
+    if all(hasattr(module, a) for a in ("in_proj", "conv1d", "x_proj", "dt_proj", "A_log", "D", "out_proj")):
+        return "mamba"
     if all(hasattr(module, a) for a in ("in_proj", "conv1d", "A_log", "dt_bias", "D", "norm", "out_proj",
                                         "n_groups", "num_heads", "head_dim")):
         return "mamba2"
@@ -114,6 +118,8 @@ def _heads(kind, module):
         heads = module.q_proj.out_features // module.head_dim
         kv_heads = module.k_proj.out_features // module.head_dim
         return heads, heads // kv_heads, "kv_group", module.o_proj
+    if kind == "mamba":  # Mamba-1: every channel is its own SSM, dt/B/C come from x_proj over all of them
+        return module.out_proj.in_features, 1, "channel", module.out_proj
     if module.n_groups == 1:  # B and C are shared by every head: each head may go anywhere
         return module.num_heads, 1, "head", module.out_proj
     return module.num_heads, module.num_heads // module.n_groups, "ssm_group", module.out_proj
@@ -124,18 +130,19 @@ def _heads(kind, module):
 def unit_gram(model, out_proj, units: int, calibration_ids, *, window: int, batch_size: int,
               max_windows: int | None) -> tuple[torch.Tensor, int]:
     """Gram matrix (units x units, fp64) of the units' contributions to ``out_proj``'s output,
-    summed over the calibration tokens, and the number of tokens."""
+    summed over the calibration tokens, and the number of tokens. With ``X`` the projection's
+    input (tokens x channels) and ``W`` its weight, ``G[u, v] = sum over u's channels c and v's
+    channels c' of (X^T X)[c, c'] (W^T W)[c, c']``: only a channels x channels matrix is kept,
+    never the per-token contributions."""
     weight = out_proj.weight.detach().double()
-    per_unit = weight.shape[1] // units
-    w = weight.view(weight.shape[0], units, per_unit)
-    gram = torch.zeros(units, units, dtype=torch.float64)
+    channels = weight.shape[1]
+    second_moment = torch.zeros(channels, channels, dtype=torch.float64)
     tokens = 0
 
     def hook(_module, args):
-        nonlocal gram, tokens
-        x = args[0].detach().double().reshape(-1, units, per_unit)
-        contributions = torch.einsum("nuc,duc->nud", x, w)
-        gram += torch.einsum("nud,nvd->uv", contributions, contributions)
+        nonlocal tokens
+        x = args[0].detach().double().reshape(-1, channels)
+        second_moment.addmm_(x.T, x)
         tokens += x.shape[0]
 
     all_windows = cut_windows(calibration_ids, window)
@@ -147,6 +154,8 @@ def unit_gram(model, out_proj, units: int, calibration_ids, *, window: int, batc
             model(all_windows[i:i + batch_size].long())
     finally:
         handle.remove()
+    width = channels // units
+    gram = (second_moment * (weight.T @ weight)).view(units, width, units, width).sum((1, 3))
     return gram, tokens
 
 
@@ -188,23 +197,36 @@ def balanced_assignment(gram: torch.Tensor, tp: int) -> tuple[list[list[int]], s
     if _partition_count(units, tp) <= EXHAUSTIVE_LIMIT:
         best = min(_balanced_partitions(list(range(units)), size), key=lambda p: partition_cost(gram, p))
         return sorted(sorted(g) for g in best), "exhaustive"
-    # greedy start: the most energetic units first, each to the open rank it correlates least with
-    groups: list[list[int]] = [[] for _ in range(tp)]
+    # two starts, each improved by swaps; the contiguous one guarantees never doing worse than no grouping
+    greedy: list[list[int]] = [[] for _ in range(tp)]  # the most energetic units first, each where it adds least
     for u in sorted(range(units), key=lambda u: -float(gram[u, u])):
-        open_ranks = [r for r in range(tp) if len(groups[r]) < size]
-        groups[min(open_ranks, key=lambda r: float(gram[u, groups[r]].sum()) if groups[r] else 0.0)].append(u)
-    # best-improvement swaps: moving u (in a) and v (in b) across changes the cost by 2 * delta
+        open_ranks = [r for r in range(tp) if len(greedy[r]) < size]
+        greedy[min(open_ranks, key=lambda r: float(gram[u, greedy[r]].sum()) if greedy[r] else 0.0)].append(u)
+    contiguous = [list(range(r * size, (r + 1) * size)) for r in range(tp)]
+    best = min((_swap_search(gram, start) for start in (greedy, contiguous)), key=lambda g: partition_cost(gram, g))
+    return sorted(sorted(g) for g in best), "greedy+swaps"
+
+
+def _swap_search(gram: torch.Tensor, groups: list[list[int]]) -> list[list[int]]:
+    """Best-improvement exchanges of two units between two ranks until none lowers the cost.
+    Exchanging u (rank a) and v (rank b) changes it by 2 * delta,
+    delta = S_b(u) - S_a(u) + G_uu + S_a(v) - S_b(v) + G_vv - 2 G_uv (S_r(w): w's sum with rank r)."""
+    groups = [list(g) for g in groups]
+    size = len(groups[0])
+    diagonal = gram.diagonal()
+    tolerance = 1e-12 * float(diagonal.sum())
     while True:
-        best_delta, best_swap = -1e-12 * float(gram.diagonal().sum()), None
-        for a, b in itertools.combinations(range(tp), 2):
-            for u in groups[a]:
-                for v in groups[b]:
-                    delta = (gram[u, groups[b]].sum() - gram[u, v] - gram[u, groups[a]].sum() + gram[u, u]
-                             + gram[v, groups[a]].sum() - gram[v, u] - gram[v, groups[b]].sum() + gram[v, v])
-                    if float(delta) < best_delta:
-                        best_delta, best_swap = float(delta), (a, b, u, v)
+        sums = torch.stack([gram[:, g].sum(1) for g in groups])  # (tp, units)
+        best_delta, best_swap = -tolerance, None
+        for a, b in itertools.combinations(range(len(groups)), 2):
+            ga, gb = torch.tensor(groups[a]), torch.tensor(groups[b])
+            delta = ((sums[b] - sums[a] + diagonal)[ga][:, None] + (sums[a] - sums[b] + diagonal)[gb][None, :]
+                     - 2 * gram[ga][:, gb])
+            i = int(delta.argmin())
+            if float(delta.flatten()[i]) < best_delta:
+                best_delta, best_swap = float(delta.flatten()[i]), (a, b, groups[a][i // size], groups[b][i % size])
         if best_swap is None:
-            return sorted(sorted(g) for g in groups), "greedy+swaps"
+            return groups
         a, b, u, v = best_swap
         groups[a][groups[a].index(u)] = v
         groups[b][groups[b].index(v)] = u
@@ -245,6 +267,19 @@ def permute_heads(model, sync_point: str, head_permutation: list[int]) -> None:
             if proj.bias is not None:
                 _rows(proj.bias, index)
         _rows(module.o_proj.weight, q, dim=1)
+        return
+    if kind == "mamba":
+        # Mamba-1 mixer: in_proj rows [x (I), gate (I)]; conv, dt_proj, A_log, D per channel; x_proj reads them
+        inner = module.out_proj.in_features
+        _rows(module.in_proj.weight, torch.cat([heads_t, inner + heads_t]))
+        if module.in_proj.bias is not None:
+            _rows(module.in_proj.bias, torch.cat([heads_t, inner + heads_t]))
+        for param in (module.conv1d.weight, module.conv1d.bias, module.dt_proj.weight, module.dt_proj.bias,
+                      module.A_log, module.D):
+            if param is not None:
+                _rows(param, heads_t)
+        _rows(module.x_proj.weight, heads_t, dim=1)
+        _rows(module.out_proj.weight, heads_t, dim=1)
         return
     # Mamba-2 mixer: in_proj rows [gate (I), x (I), B (G*N), C (G*N), dt (H)], conv over [x, B, C]
     inner, d, n = module.num_heads * module.head_dim, module.head_dim, module.ssm_state_size

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import ssmshard
-from ssmshard.head_grouping import group_heads, permute_heads
+from ssmshard import head_grouping
+from ssmshard.head_grouping import balanced_assignment, group_heads, partition_cost, permute_heads, unit_gram
 from ssmshard.plan import PlanError
 from ssmshard.testing import rel_err
 
@@ -23,6 +24,7 @@ PERMUTED = {
     "mamba2_groups": ("mamba2", {}, "layers.1.out_proj", 8, 4),
     "mamba2_one_group": ("mamba2", {"n_groups": 1}, "layers.0.out_proj", 8, 1),
     "zamba2_mamba": ("zamba2", {}, "layers.0.out_proj", 8, 4),
+    "mamba1_channels": ("mamba", {}, "layers.1.out_proj", None, 1),  # heads: the mixer's channels
 }
 
 
@@ -41,6 +43,7 @@ def test_permuted_model_equals_the_original(case, fresh_seed):
     family, overrides, point, heads, per_unit = PERMUTED[case]
     original = small_model(family, **overrides)
     model = copy.deepcopy(original)
+    heads = heads or original.config.intermediate_size
     gen = torch.Generator().manual_seed(fresh_seed)
     permutation = _unit_permutation(heads, per_unit, gen)
     while permutation == list(range(heads)):
@@ -58,6 +61,45 @@ def test_a_permutation_that_splits_a_unit_is_refused():
     model = copy.deepcopy(small_model("llama"))  # 4 query heads, 2 key/value heads
     with pytest.raises(ValueError, match="splits a unit"):
         permute_heads(model, "layers.0.o_proj", [0, 2, 1, 3])
+
+
+def test_gram_is_that_of_the_per_token_contributions(fresh_seed):
+    model = small_model("mamba2")
+    out_proj = model.backbone.layers[1].mixer.out_proj
+    ids = _ids(model, fresh_seed, (48,)).view(-1)
+    seen = []
+    handle = out_proj.register_forward_pre_hook(lambda _m, args: seen.append(args[0].detach().double()))
+    try:
+        gram, tokens = unit_gram(model, out_proj, 2, ids, window=16, batch_size=2, max_windows=None)
+    finally:
+        handle.remove()
+    x = torch.cat([s.reshape(-1, 2, out_proj.in_features // 2) for s in seen])
+    w = out_proj.weight.double().view(out_proj.out_features, 2, -1)
+    contributions = torch.einsum("nuc,duc->nud", x, w)  # each unit's share of out_proj's output, per token
+    assert tokens == x.shape[0] == 48
+    assert rel_err(gram, torch.einsum("nud,nvd->uv", contributions, contributions)) < 1e-10
+
+
+@pytest.mark.parametrize("units, tp", [(12, 2), (12, 3), (16, 4)])
+def test_swap_search_is_balanced_and_locally_optimal(units, tp, fresh_seed, monkeypatch):
+    gen = torch.Generator().manual_seed(fresh_seed)
+    x = torch.randn(40, units, 3, generator=gen, dtype=torch.float64)
+    x[:, units // 2:] += x[:, :units // 2]  # correlated pairs, so the assignment matters
+    gram = torch.einsum("nud,nvd->uv", x, x)
+    monkeypatch.setattr(head_grouping, "EXHAUSTIVE_LIMIT", 0)
+    groups, search = balanced_assignment(gram, tp)
+    assert search == "greedy+swaps"
+    assert sorted(u for g in groups for u in g) == list(range(units)) and {len(g) for g in groups} == {units // tp}
+    cost = partition_cost(gram, groups)
+    contiguous = [list(range(r * units // tp, (r + 1) * units // tp)) for r in range(tp)]
+    assert cost <= partition_cost(gram, contiguous) + 1e-9 * abs(cost)
+    for a in range(tp):  # no exchange of two units between two ranks lowers the cost
+        for b in range(a + 1, tp):
+            for u in groups[a]:
+                for v in groups[b]:
+                    swapped = [list(g) for g in groups]
+                    swapped[a][swapped[a].index(u)], swapped[b][swapped[b].index(v)] = v, u
+                    assert partition_cost(gram, swapped) >= cost - 1e-9 * abs(cost)
 
 
 def _duplicated_heads_llama():
@@ -102,7 +144,6 @@ def test_grouping_lowers_the_spd_error(fresh_seed):
     ("llama", "embed", "not a sync point name"),
     ("llama", "layers.0.down_proj", "without heads"),
     ("mamba", "layers.0.x_proj", "without heads"),
-    ("mamba", "layers.0.out_proj", "Mamba-1 channel grouping is not built"),
     ("zamba2", "layers.1.o_proj", "shared by several layers"),
 ])
 def test_clear_errors(family, point, message):
