@@ -135,8 +135,9 @@ def main() -> None:
         program = ssmshard.capture(model, mode="forward")
         rows["grouped_eager"] = heldout_perplexity(lambda ids: model(ids).logits)
         rows["spd_grouped"] = heldout_perplexity(SimulatedMesh(model, plan, program=program))
+        held = grouping.assignment if len(grouping.head_permutation) <= 16 else "(in the JSON)"
         print(f"head grouping ({grouping.search}, {grouping.tokens} calibration tokens, {grouping_s:.1f} s): ranks hold "
-              f"{grouping.unit}s {grouping.assignment}; calibration SPD error sum_i |P - P_i|^2 / |P|^2 "
+              f"{grouping.unit}s {held}; calibration SPD error sum_i |P - P_i|^2 / |P|^2 "
               f"{grouping.error_before:.4f} -> {grouping.error_after:.4f}", flush=True)
         print(f"held-out: grouped eager {rows['grouped_eager']:.3f}, spd grouped {rows['spd_grouped']:.3f}", flush=True)
     result, train_s = None, 0.0
