@@ -7,7 +7,13 @@ the exact model's next-token distributions on the CALIBRATION split, and reports
 perplexity of the unsharded model, exact TP, SPD before and SPD after recovery, with the
 calibration KL before and after and the loss per step.
 
+``--group-heads`` first applies head grouping (``ssmshard.head_grouping.group_heads``) to the
+dropped sync point's block on the calibration split and reports the held-out perplexity of the
+grouped model without SPD (unchanged: the permutation is exact) and with SPD; distillation, if
+``--steps`` > 0, then starts from the grouped model. ``--steps 0`` skips distillation.
+
     python benchmarks/spd_recovery.py --models-dir DIR --model mamba2 --tp 2 --drop layers.0.out_proj
+    python benchmarks/spd_recovery.py --models-dir DIR --model llama --drop layers.0.o_proj --group-heads --steps 0
     python benchmarks/spd_recovery.py --smoke --out FILE   # a tiny random model: checks the script
 
 Writes JSON to --out (default benchmarks/results/spd_accuracy/spd_recovery.json) and a PNG of the
@@ -75,6 +81,9 @@ def main() -> None:
     parser.add_argument("--eval-batch-size", type=int, default=8)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--group-heads", action="store_true", help="group the dropped block's heads first")
+    parser.add_argument("--grouping-windows", type=int, default=None,
+                        help="calibration windows for head grouping (default: --calibration-windows)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0, help="smoke model's weights and tokens")
     parser.add_argument("--smoke", action="store_true", help="a tiny random mamba2 at tp 2: checks the script")
@@ -99,7 +108,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     model, streams = load_case_inputs(args.model, args)
-    train = args.train or default_train(model, args.drop[0])
+    train = (args.train or default_train(model, args.drop[0])) if args.steps else []
     plan = Plan(tp=args.tp, drop_syncs=list(args.drop))
     program = ssmshard.capture(model, mode="forward")
     heldout = dict(window=args.window, batch_size=args.eval_batch_size, max_windows=args.heldout_windows)
@@ -112,13 +121,36 @@ def main() -> None:
             "spd_before": heldout_perplexity(SimulatedMesh(model, plan, program=program))}
     print(f"held-out: eager {rows['eager']:.3f}, exact tp {rows['tp']:.3f}, spd before {rows['spd_before']:.3f}",
           flush=True)
-    trained_at = time.perf_counter()
-    result = recover(model, plan, streams["calibration"], train=train, window=args.window,
-                     batch_size=args.batch_size, max_windows=args.calibration_windows, steps=args.steps, lr=args.lr)
-    train_s = time.perf_counter() - trained_at
-    rows["spd_after"] = heldout_perplexity(SimulatedMesh(model, plan, program=ssmshard.capture(model, mode="forward")))
-    print(f"held-out: spd after {rows['spd_after']:.3f}; calibration KL {result.kl_before:.4f} -> {result.kl_after:.4f}"
-          f" ({result.trained_numel} weights trained in {train_s:.0f} s)", flush=True)
+    grouping = None
+    if args.group_heads:
+        from ssmshard.head_grouping import group_heads
+
+        if len(args.drop) != 1:
+            raise SystemExit("--group-heads groups the block of one dropped sync point: pass one --drop")
+        grouped_at = time.perf_counter()
+        grouping = group_heads(model, args.tp, args.drop[0], streams["calibration"], window=args.window,
+                               batch_size=args.eval_batch_size,
+                               max_windows=args.grouping_windows or args.calibration_windows)
+        grouping_s = time.perf_counter() - grouped_at
+        program = ssmshard.capture(model, mode="forward")
+        rows["grouped_eager"] = heldout_perplexity(lambda ids: model(ids).logits)
+        rows["spd_grouped"] = heldout_perplexity(SimulatedMesh(model, plan, program=program))
+        held = grouping.assignment if len(grouping.head_permutation) <= 16 else "(in the JSON)"
+        print(f"head grouping ({grouping.search}, {grouping.tokens} calibration tokens, {grouping_s:.1f} s): ranks hold "
+              f"{grouping.unit}s {held}; calibration SPD error sum_i |P - P_i|^2 / |P|^2 "
+              f"{grouping.error_before:.4f} -> {grouping.error_after:.4f}", flush=True)
+        print(f"held-out: grouped eager {rows['grouped_eager']:.3f}, spd grouped {rows['spd_grouped']:.3f}", flush=True)
+    result, train_s = None, 0.0
+    if args.steps:
+        trained_at = time.perf_counter()
+        result = recover(model, plan, streams["calibration"], train=train, window=args.window,
+                         batch_size=args.batch_size, max_windows=args.calibration_windows, steps=args.steps,
+                         lr=args.lr)
+        train_s = time.perf_counter() - trained_at
+        rows["spd_after"] = heldout_perplexity(SimulatedMesh(model, plan,
+                                                             program=ssmshard.capture(model, mode="forward")))
+        print(f"held-out: spd after {rows['spd_after']:.3f}; calibration KL {result.kl_before:.4f} -> "
+              f"{result.kl_after:.4f} ({result.trained_numel} weights trained in {train_s:.0f} s)", flush=True)
     if args.save_dir:
         model.save_pretrained(args.save_dir)
         print(f"wrote {args.save_dir}")
@@ -132,13 +164,16 @@ def main() -> None:
            "args": vars(args), "model": args.model, "tp": args.tp, "drop_syncs": list(args.drop),
            "heldout": {"windows": args.heldout_windows, "window": args.window,
                        "perplexity": rows, "relative_change_vs_tp": {k: v / exact - 1 for k, v in rows.items()}},
-           "recovery": result.as_dict(), "train_s": train_s, "wall_s": time.perf_counter() - started}
+           "head_grouping": grouping.as_dict() if grouping else None,
+           "recovery": result.as_dict() if result else None, "train_s": train_s,
+           "wall_s": time.perf_counter() - started}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     print(f"wrote {args.out}")
-    plot_losses(os.path.splitext(args.out)[0] + ".png", result.losses,
-                f"{args.model} tp={args.tp}, {' '.join(args.drop)} dropped: training {' '.join(train)}")
+    if result:
+        plot_losses(os.path.splitext(args.out)[0] + ".png", result.losses,
+                    f"{args.model} tp={args.tp}, {' '.join(args.drop)} dropped: training {' '.join(train)}")
 
 
 if __name__ == "__main__":

@@ -74,6 +74,11 @@ SMOKES = {
                      and set(r["heldout"]["perplexity"]) == {"eager", "tp", "spd_before", "spd_after"}
                      and r["recovery"]["trained"] and all(n.startswith("backbone.layers.1.")
                                                           for n in r["recovery"]["trained"])),
+    "spd_recovery_grouped": (["spd_recovery.py", "--group-heads", "--out", "{out}/rec.json"], "rec.json", "rec.png",
+                             lambda r: set(r["heldout"]["perplexity"]) == {"eager", "tp", "spd_before", "grouped_eager",
+                                                                             "spd_grouped", "spd_after"}
+                             and abs(r["heldout"]["relative_change_vs_tp"]["grouped_eager"]) < 1e-5
+                             and r["head_grouping"]["error_after"] <= r["head_grouping"]["error_before"]),
     "tp_forward": (["tp_gpu.py", "throughput", "--out", "{out}"], "throughput_tp2.json", "throughput.png",
                    lambda r: r["tp"] == 2 and r["tokens_per_s"] > 0),
     "tsp_memory": (["tsp_memory.py", "--out", "{out}"], "tsp_memory.json", "tsp_memory.png",
