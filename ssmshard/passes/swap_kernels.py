@@ -83,6 +83,13 @@ def _ssd_limits(node):
     return None
 
 
+def _norm_limits(node):
+    """x is the first argument of both norm ops; its last dimension is what a program holds."""
+    width = node.args[0].meta["val"].shape[-1]
+    limit = importlib.import_module("ssmshard.kernels.rms_norm").MAX_WIDTH  # importable: checked before
+    return f"row of {width} channels > {limit} (kernel limit)" if width > limit else None
+
+
 # Op (and Triton function) name, the kernel's module, how the adapter calls it, whether the
 # kernel is inference-only, and a static check returning why it cannot serve a node.
 _TRITON = [
@@ -91,6 +98,9 @@ _TRITON = [
     ("causal_conv1d", "ssmshard.kernels.causal_conv1d", _call_by_name, False, None),
     ("causal_conv1d_update", "ssmshard.kernels.causal_conv1d", _call_by_name, True, None),
     ("selective_state_update", "ssmshard.kernels.state_update", _call_by_name, True, None),
+    # The norms' kernels have no backward: under grad mode the adapters run the reference op.
+    ("rms_norm", "ssmshard.kernels.rms_norm", _call_by_name, True, _norm_limits),
+    ("add_rms_norm", "ssmshard.kernels.rms_norm", _call_by_name, True, _norm_limits),
 ]
 # op -> (adapter, module the kernel lives in, static check)
 KERNELS = {getattr(ssm, name).default: (_adapter(name, module, call, inference_only), module, check)
