@@ -32,6 +32,18 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 
 
 @triton.jit
+def _round(x, DTYPE: tl.constexpr):
+    """float32 ``x`` to ``DTYPE``, rounding to nearest even as torch does. To bfloat16 the rounding
+    is done on the bits first: Triton's interpreter truncates that cast, and the explicit rounding
+    makes the truncation exact (on GPUs, where the cast rounds, it changes nothing)."""
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(DTYPE)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr, residual_ptr, gate_ptr, weight_ptr, summed_ptr, out_ptr,
     eps, d, group_size,
@@ -46,18 +58,18 @@ def _rms_norm_kernel(
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + offs, mask=mask, other=0.0)
         # torch adds in float32 and rounds once to the promoted dtype
-        summed = (residual.to(tl.float32) + x.to(tl.float32)).to(summed_ptr.dtype.element_ty)
+        summed = _round(residual.to(tl.float32) + x.to(tl.float32), summed_ptr.dtype.element_ty)
         tl.store(summed_ptr + offs, summed, mask=mask)
-        x = summed.to(NORM_DTYPE)
+        x = _round(summed.to(tl.float32), NORM_DTYPE)
     h = x.to(tl.float32)
     if HAS_GATE:
         gate = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         h = h * (gate * tl.sigmoid(gate))
     variance = tl.sum(h * h, axis=0) / group_size
-    y = (h * tl.math.rsqrt(variance + eps)).to(NORM_DTYPE)
+    y = _round(h * tl.math.rsqrt(variance + eps), NORM_DTYPE)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     out = weight.to(tl.float32) * y.to(tl.float32)
-    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + offs, _round(out, out_ptr.dtype.element_ty), mask=mask)
 
 
 def _num_warps(block: int) -> int:

@@ -16,7 +16,7 @@ the reference ops; ``swap_kernels``, run after, puts them on the Triton kernel
 A norm whose input is split along its channels (a placement other than replicated or
 sequence-sharded) is left as it is: its mean needs every channel.
 
-``program.norm_fusion_report`` lists every fused norm: node, module, whether the add was fused.
+``program.norm_fusion_report`` lists every fused norm: node, module, call site, whether the add was fused.
 """
 
 from __future__ import annotations
@@ -163,9 +163,10 @@ def fuse_rmsnorm(program, ctx):
         match = _match_norm(rsqrt)
         if match is None or not _channels_whole(match["x"], match["out"]):
             continue
-        module = match["out"].meta.get("ssmshard", {}).get("module")
-        fused_add = _fuse(graph, match)
-        report.append({"node": rsqrt.name, "module": module, "residual_add": fused_add})
+        tags = match["out"].meta.get("ssmshard", {})
+        entry = {"node": rsqrt.name, "module": tags.get("module"), "call_site": tags.get("call_site")}
+        entry["residual_add"] = _fuse(graph, match)
+        report.append(entry)
     program.graph_module.recompile()
     program.norm_fusion_report = report
     return program
