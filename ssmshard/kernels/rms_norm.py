@@ -38,7 +38,7 @@ def _round(x, DTYPE: tl.constexpr):
     makes the truncation exact (on GPUs, where the cast rounds, it changes nothing)."""
     if DTYPE == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+        bits = ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16) << 16  # shifts keep it uint32
         x = bits.to(tl.float32, bitcast=True)
     return x.to(DTYPE)
 
