@@ -24,9 +24,9 @@ def _ulp(t, dtype):
 
 
 def assert_equal_up_to_rounding(actual, expected, weight=None, normalised=None):
-    """float32: within 1e-6 relative (the kernel sums the squares in another order). bfloat16: the
+    """float32: within 1e-6 relative (the kernel sums the squares in another order). 16-bit: the
     normalised value (``normalised``: the reference's, before the weight) may round to the
-    neighbouring bfloat16, which the weight scales, and the product rounds once more: within
+    neighbouring 16-bit value, which the weight scales, and the product rounds once more: within
     ``|weight| * ulp(normalised) + ulp(output)``; one ulp without a weight."""
     assert actual.dtype == expected.dtype and actual.shape == expected.shape
     a, e = actual.double(), expected.double()
@@ -86,7 +86,7 @@ def test_gated_reference_is_hf_gated_norm_bit_for_bit(dtype, fresh_seed):
 
 
 @pytest.mark.parametrize("d", WIDTHS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_kernel_rms_norm_equals_reference(d, dtype, fresh_seed):
     x, weight, ones = (3 * torch.randn(3, 5, d)).to(dtype), _weight(d, dtype), torch.ones(d, dtype=dtype)
     assert_equal_up_to_rounding(kernel.rms_norm(x, ones, EPS), ssm.rms_norm(x, ones, EPS))  # one rounding
