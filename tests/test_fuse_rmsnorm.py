@@ -91,3 +91,27 @@ def test_tensor_parallel_generation_with_fused_norms_gives_hf_tokens(monkeypatch
     assert torch.equal(tokens, expected)
     decode = mesh.ranks[0]._generation["decode"]  # swap_kernels put the fused nodes on their kernel adapters
     assert_every_norm_fused(decode, model, norm_targets={KERNELS[op][0] for op in NORM_OPS})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on a GPU")
+@pytest.mark.parametrize("family", ["mamba", "mamba2"])
+def test_graphed_decode_on_fused_norm_kernels_generates_hf_tokens(family, fresh_seed):
+    """On a GPU: prefill and decode with fused norms on the Triton kernels (the gated norm too),
+    the decode replayed as a CUDA graph: the tokens of eager generation and of HF generate."""
+    from test_cuda_graph import _graphed_and_hf, _prompts
+
+    from ssmshard.runtime.cuda_graph import GraphedDecode
+    from ssmshard.runtime.generate import generate
+
+    model = small_model(family).cuda()
+    try:
+        steps = ["fuse_rmsnorm", ("swap_kernels", {"kernels": "triton"})]
+        prefill, decode = (run_pipeline(ssmshard.capture(model, mode=mode), steps) for mode in ("prefill", "decode"))
+        norms = {r["op"] for r in decode.kernel_report if r["kernel"] == "triton"}
+        assert {"rms_norm", "add_rms_norm"} <= norms and (family != "mamba2" or "gated_rms_norm" in norms)
+        ids, mask, options = _prompts(model, fresh_seed)
+        eager = generate(prefill, decode, ids, mask, **options)
+        graphed, again, hf = _graphed_and_hf(model, prefill, GraphedDecode(decode), ids, mask, options)
+    finally:
+        model.cpu()
+    assert torch.equal(graphed, eager) and torch.equal(again, eager) and torch.equal(eager, hf), fresh_seed

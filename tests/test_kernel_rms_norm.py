@@ -14,6 +14,7 @@ import ssmshard.ops  # noqa: F401  (registers torch.ops.ssmshard)
 from ssmshard.kernels import rms_norm as kernel
 
 ssm = torch.ops.ssmshard
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels' tests: Triton's interpreter on the CPU
 WIDTHS = [1, 7, 64, 100, 257, 3000, 8192]  # powers of two and not, up to the widest row
 EPS = 1e-5
 
@@ -88,7 +89,8 @@ def test_gated_reference_is_hf_gated_norm_bit_for_bit(dtype, fresh_seed):
 @pytest.mark.parametrize("d", WIDTHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_kernel_rms_norm_equals_reference(d, dtype, fresh_seed):
-    x, weight, ones = (3 * torch.randn(3, 5, d)).to(dtype), _weight(d, dtype), torch.ones(d, dtype=dtype)
+    x, weight = (3 * torch.randn(3, 5, d, device=DEVICE)).to(dtype), _weight(d, dtype).to(DEVICE)
+    ones = torch.ones(d, dtype=dtype, device=DEVICE)
     assert_equal_up_to_rounding(kernel.rms_norm(x, ones, EPS), ssm.rms_norm(x, ones, EPS))  # one rounding
     assert_equal_up_to_rounding(kernel.rms_norm(x, weight, EPS), ssm.rms_norm(x, weight, EPS),
                                 weight, ssm.rms_norm(x, ones, EPS))
@@ -98,7 +100,8 @@ def test_kernel_rms_norm_equals_reference(d, dtype, fresh_seed):
 @pytest.mark.parametrize("dtype,residual_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
                                                   (torch.bfloat16, torch.bfloat16)])
 def test_kernel_add_rms_norm_equals_reference(d, dtype, residual_dtype, fresh_seed):
-    x, residual, weight = torch.randn(4, d).to(dtype), torch.randn(4, d).to(residual_dtype), _weight(d, dtype)
+    x, residual = torch.randn(4, d, device=DEVICE).to(dtype), torch.randn(4, d, device=DEVICE).to(residual_dtype)
+    weight = _weight(d, dtype).to(DEVICE)
     summed, normed = kernel.add_rms_norm(x, residual, weight, EPS, dtype)
     expected_sum, expected_norm = ssm.add_rms_norm(x, residual, weight, EPS, dtype)
     assert torch.equal(summed, expected_sum)  # one float32 add, rounded once: no freedom
@@ -108,7 +111,7 @@ def test_kernel_add_rms_norm_equals_reference(d, dtype, residual_dtype, fresh_se
 
 def test_kernel_weight_dtype_promotes_like_torch(fresh_seed):
     """A float32 weight on a bfloat16 activation gives float32, as ``weight * y.to(bf16)`` does."""
-    x, weight = torch.randn(2, 3, 50).to(torch.bfloat16), _weight(50, torch.float32)
+    x, weight = torch.randn(2, 3, 50, device=DEVICE).to(torch.bfloat16), _weight(50, torch.float32).to(DEVICE)
     out = kernel.rms_norm(x, weight, EPS)
     assert out.dtype == torch.float32
     assert_equal_up_to_rounding(out, ssm.rms_norm(x, weight, EPS))
@@ -117,7 +120,8 @@ def test_kernel_weight_dtype_promotes_like_torch(fresh_seed):
 @pytest.mark.parametrize("d,group", [(96, 32), (30, 30), (60, 20)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_gated_norm_equals_reference(d, group, dtype, fresh_seed):
-    x, gate, weight = torch.randn(2, 3, d).to(dtype), torch.randn(2, 3, d).to(dtype), _weight(d, dtype)
+    x, gate = (torch.randn(2, 3, d, device=DEVICE).to(dtype) for _ in range(2))
+    weight = _weight(d, dtype).to(DEVICE)
     assert_equal_up_to_rounding(kernel.gated_rms_norm(x, gate, weight, EPS, group),
                                 ssm.gated_rms_norm(x, gate, weight, EPS, group), weight,
                                 ssm.gated_rms_norm(x, gate, torch.ones_like(weight), EPS, group))
@@ -125,7 +129,7 @@ def test_kernel_gated_norm_equals_reference(d, group, dtype, fresh_seed):
 
 def test_kernel_refuses_rows_wider_than_it_holds():
     with pytest.raises(ValueError, match="at most 8192"):
-        kernel.rms_norm(torch.randn(1, 8193), torch.randn(8193), EPS)
+        kernel.rms_norm(torch.randn(1, 8193, device=DEVICE), torch.randn(8193, device=DEVICE), EPS)
 
 
 def test_add_rms_norm_gradient_is_torchs(fresh_seed):
