@@ -468,6 +468,9 @@ def _export_cases():
         "causal_conv1d": [x, w, b, "silu"],
         "causal_conv1d_update": [x[..., :1], torch.randn(2, 3, 4), w, b, None],
         "selective_state_update": make_update_mamba2(b=2, h=4, p=2, g=2, n=4),
+        "gated_rms_norm": [torch.randn(2, 3, 6), torch.randn(2, 3, 6), torch.randn(6), 1e-5, 3],
+        "rms_norm": [torch.randn(2, 3, 5), torch.randn(5), 1e-5],
+        "add_rms_norm": [torch.randn(2, 3, 5), torch.randn(2, 3, 5), torch.randn(5), 1e-5, torch.float32],
     }
 
 

@@ -12,4 +12,5 @@ explicitly (they need Triton, and TRITON_INTERPRET=1 set first to run on CPU); t
   the Mamba-1 scan; ``state_update``: the decode step (Mamba-1 and Mamba-2 layouts);
 * ``ssd_scan`` (with ``ssd_scan_fwd``, ``ssd_scan_bwd``, ``ssd_triton_common``): Mamba-2 SSD;
 * ``causal_conv1d``: the depthwise causal conv and its decode update.
+* ``rms_norm``: RMSNorm, with the residual add before it, and Mamba-2's gated norm (forward).
 """

@@ -33,7 +33,7 @@ on its own (from a zero state); the returned final state is the last sequence's.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -389,3 +389,18 @@ def gated_rms_norm(x: Tensor, gate: Optional[Tensor], weight: Tensor, eps: float
     variance = grouped.pow(2).mean(-1, keepdim=True)
     y = (grouped * torch.rsqrt(variance + eps)).view(*prefix, d)
     return weight * y.to(x.dtype)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last dimension, the arithmetic of Hugging Face's ``MambaRMSNorm``,
+    ``LlamaRMSNorm`` and ``Zamba2RMSNorm``: the ungated norm with one group of all channels."""
+    return gated_rms_norm(x, None, weight, eps, x.shape[-1])
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                 norm_dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+    """The residual add before a norm and the norm: ``summed = residual + x`` in the promoted dtype
+    (float32 under Mamba's ``residual_in_fp32``), and the norm of ``summed.to(norm_dtype)`` (the
+    block casts the residual stream to the norm weight's dtype before normalising it)."""
+    summed = residual + x
+    return summed, rms_norm(summed.to(norm_dtype), weight, eps)

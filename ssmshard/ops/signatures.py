@@ -97,4 +97,15 @@ SIGNATURES: dict[str, OpSignature] = {s.name: s for s in [
         "(Tensor x, Tensor? gate, Tensor weight, float eps, SymInt group_size) -> Tensor",
         "Mamba-2's gated RMSNorm: x * silu(gate) normalised over groups of group_size channels, times "
         "weight. x, gate: (..., d); weight: (d,)."),
+    OpSignature(
+        "rms_norm",
+        "(Tensor x, Tensor weight, float eps) -> Tensor",
+        "The RMSNorm of Mamba, Mamba-2, Zamba2 and Llama: x normalised over its last dimension in float32, "
+        "back to x's dtype, times weight. x: (..., d); weight: (d,)."),
+    OpSignature(
+        "add_rms_norm",
+        "(Tensor x, Tensor residual, Tensor weight, float eps, ScalarType norm_dtype) -> (Tensor, Tensor)",
+        "The residual add and the RMSNorm after it: summed = residual + x (torch's type promotion: float32 "
+        "with Mamba's residual_in_fp32), then rms_norm(summed.to(norm_dtype), weight, eps). x, residual: "
+        "(..., d); weight: (d,). Returns summed and the normed value."),
 ]}

@@ -128,6 +128,15 @@ def _gated_rms_norm_fake(x, weight, **_):
     return torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
 
 
+def _rms_norm_fake(x, weight, **_):
+    return torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+
+
+def _add_rms_norm_fake(x, residual, weight, norm_dtype, **_):
+    summed = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
+    return summed, torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, norm_dtype), device=x.device)
+
+
 selective_scan = _define("selective_scan", ref.selective_scan, _selective_scan_fake)
 ssd_scan = _define("ssd_scan", ref.ssd_scan, _ssd_scan_fake)
 causal_conv1d = _define("causal_conv1d", ref.causal_conv1d, _causal_conv1d_fake)
@@ -137,3 +146,7 @@ selective_state_update = _define("selective_state_update", ref.selective_state_u
 # place whether the normalisation groups live on one rank or span several (then an all-reduce
 # of the per-group sum of squares is needed).
 gated_rms_norm = _define("gated_rms_norm", ref.gated_rms_norm, _gated_rms_norm_fake)
+# The plain RMSNorm, alone or with the residual add before it, as one node: the ``fuse_rmsnorm``
+# pass rewrites the captured chains of small ops into these so one kernel runs each.
+rms_norm = _define("rms_norm", ref.rms_norm, _rms_norm_fake)
+add_rms_norm = _define("add_rms_norm", ref.add_rms_norm, _add_rms_norm_fake)

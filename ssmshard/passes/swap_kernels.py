@@ -1,4 +1,4 @@
-"""The ``swap_kernels`` pass: run the SSM ops of a program on the Triton kernels.
+"""The ``swap_kernels`` pass: run the SSM ops and the norms of a program on the Triton kernels.
 
 Every ``torch.ops.ssmshard.*`` node that a kernel serves is retargeted to an adapter with the
 op's exact signature. On real CUDA tensors an adapter calls the kernel (its autograd included);
@@ -83,6 +83,15 @@ def _ssd_limits(node):
     return None
 
 
+def _norm_limits(node):
+    """One program normalises one group of channels (a row, but for the gated norm's groups)."""
+    name = op_name(node).rsplit(".", 1)[-1]
+    a = SIGNATURES[name].bind(node.args, node.kwargs)
+    width = a["group_size"] if name == "gated_rms_norm" else a["x"].meta["val"].shape[-1]
+    limit = importlib.import_module("ssmshard.kernels.rms_norm").MAX_WIDTH  # importable: checked before
+    return f"group of {width} channels > {limit} (kernel limit)" if width > limit else None
+
+
 # Op (and Triton function) name, the kernel's module, how the adapter calls it, whether the
 # kernel is inference-only, and a static check returning why it cannot serve a node.
 _TRITON = [
@@ -91,13 +100,17 @@ _TRITON = [
     ("causal_conv1d", "ssmshard.kernels.causal_conv1d", _call_by_name, False, None),
     ("causal_conv1d_update", "ssmshard.kernels.causal_conv1d", _call_by_name, True, None),
     ("selective_state_update", "ssmshard.kernels.state_update", _call_by_name, True, None),
+    # The norms' kernels have no backward: under grad mode the adapters run the reference op.
+    ("rms_norm", "ssmshard.kernels.rms_norm", _call_by_name, True, _norm_limits),
+    ("add_rms_norm", "ssmshard.kernels.rms_norm", _call_by_name, True, _norm_limits),
+    ("gated_rms_norm", "ssmshard.kernels.rms_norm", _call_by_name, True, _norm_limits),
 ]
 # op -> (adapter, module the kernel lives in, static check)
 KERNELS = {getattr(ssm, name).default: (_adapter(name, module, call, inference_only), module, check)
            for name, module, call, inference_only, check in _TRITON}
-# The SSM ops a kernel could serve: every op with a declared signature but the gated norm
-# (torch handles it). Collectives and other ssmshard ops are not kernels' business.
-_KERNEL_CANDIDATES = set(SIGNATURES) - {"gated_rms_norm"}
+# The ops a kernel could serve: every op with a declared signature. Collectives and other
+# ssmshard ops are not kernels' business.
+_KERNEL_CANDIDATES = set(SIGNATURES)
 
 
 def _kernel_module_error(module: str):

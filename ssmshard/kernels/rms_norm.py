@@ -1,0 +1,123 @@
+"""RMSNorm as one Triton kernel: the plain norm, the residual add fused before it, and Mamba-2's
+gated norm.
+
+Semantics: those of ``ssmshard.kernels.reference`` (``rms_norm``, ``add_rms_norm``,
+``gated_rms_norm``), which are Hugging Face's modules' arithmetic, cast for cast:
+    summed = (residual + x)                       in the promoted dtype (add_rms_norm only)
+    h      = float32(summed.to(norm_dtype))       (or float32(x)), times silu(float32(gate))
+    y      = (h * rsqrt(mean(h^2) + eps)).to(the norm input's dtype)
+    out    = weight * y                           in the promoted dtype of weight and y
+The mean runs over groups of ``group_size`` channels (all channels but for the gated norm).
+
+One program per (row, group): a row is one token (batch * sequence flattened), a group at most
+``MAX_WIDTH`` channels held in registers at once. Decode reads a few rows of a few thousand
+channels: the kernel replaces the 6-8 small kernels (and the separate residual add) torch
+launches per norm.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ssmshard.kernels.launch_math import next_power_of_2
+
+MAX_WIDTH = 8192  # channels per group held in registers by one program
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def _round(x, DTYPE: tl.constexpr):
+    """float32 ``x`` to ``DTYPE``, rounding to nearest even as torch does. To bfloat16 the rounding
+    is done on the bits first: Triton's interpreter truncates that cast, and the explicit rounding
+    makes the truncation exact (on GPUs, where the cast rounds, it changes nothing)."""
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16) << 16  # shifts keep it uint32
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(DTYPE)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, residual_ptr, gate_ptr, weight_ptr, summed_ptr, out_ptr,
+    eps, d, group_size,
+    HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr, NORM_DTYPE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    lane = tl.arange(0, BLOCK)
+    mask = lane < group_size
+    cols = tl.program_id(1) * group_size + lane
+    offs = row * d + cols
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + offs, mask=mask, other=0.0)
+        # torch adds in float32 and rounds once to the promoted dtype
+        summed = _round(residual.to(tl.float32) + x.to(tl.float32), summed_ptr.dtype.element_ty)
+        tl.store(summed_ptr + offs, summed, mask=mask)
+        x = _round(summed.to(tl.float32), NORM_DTYPE)
+    h = x.to(tl.float32)
+    if HAS_GATE:
+        gate = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        h = h * (gate * tl.sigmoid(gate))
+    variance = tl.sum(h * h, axis=0) / group_size
+    y = _round(h * tl.math.rsqrt(variance + eps), NORM_DTYPE)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    out = weight.to(tl.float32) * y.to(tl.float32)
+    tl.store(out_ptr + offs, _round(out, out_ptr.dtype.element_ty), mask=mask)
+
+
+def _num_warps(block: int) -> int:
+    return 4 if block <= 1024 else 8 if block <= 4096 else 16
+
+
+def _launch(x: Tensor, residual: Optional[Tensor], gate: Optional[Tensor], weight: Tensor, eps: float,
+            group_size: int, norm_dtype: torch.dtype, summed_dtype: Optional[torch.dtype]):
+    d = x.shape[-1]
+    if group_size > MAX_WIDTH or d % group_size:
+        raise ValueError(f"rms_norm kernel: group of {group_size} channels over rows of {d}: groups must divide "
+                         f"the row and hold at most {MAX_WIDTH} channels (use the reference op)")
+    if norm_dtype not in _TL_DTYPES:
+        raise ValueError(f"rms_norm kernel: norm input dtype {norm_dtype} is not one of {list(_TL_DTYPES)}")
+    if weight.shape != (d,):
+        raise ValueError(f"rms_norm kernel: weight of shape {tuple(weight.shape)} for rows of {d} channels")
+    x = x.contiguous()
+    rows = x.numel() // d if d else 0
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, norm_dtype), device=x.device)
+    summed = None if summed_dtype is None else torch.empty(x.shape, dtype=summed_dtype, device=x.device)
+    if rows and d:
+        block = next_power_of_2(group_size)
+        _rms_norm_kernel[(rows, d // group_size)](
+            x, residual.contiguous() if residual is not None else x, gate.contiguous() if gate is not None else x,
+            weight.contiguous(), summed if summed is not None else out, out,
+            float(eps), d, group_size,
+            HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None, NORM_DTYPE=_TL_DTYPES[norm_dtype],
+            BLOCK=block, num_warps=_num_warps(block),
+        )
+    return summed, out
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``ssmshard.rms_norm`` on the kernel. x: (..., d), d <= MAX_WIDTH; weight: (d,)."""
+    return _launch(x, None, None, weight, eps, x.shape[-1], x.dtype, None)[1]
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                 norm_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``ssmshard.add_rms_norm`` on the kernel: (residual + x, its norm), one pass over the row."""
+    if residual.shape != x.shape:
+        raise ValueError(f"add_rms_norm kernel: residual {tuple(residual.shape)} and x {tuple(x.shape)} differ")
+    return _launch(x, residual, None, weight, eps, x.shape[-1], norm_dtype,
+                   torch.promote_types(x.dtype, residual.dtype))
+
+
+def gated_rms_norm(x: Tensor, gate: Optional[Tensor], weight: Tensor, eps: float, group_size: int) -> Tensor:
+    """``ssmshard.gated_rms_norm`` on the kernel: the norm of x * silu(gate) per group of channels."""
+    if gate is not None and gate.shape != x.shape:
+        raise ValueError(f"gated_rms_norm kernel: gate {tuple(gate.shape)} and x {tuple(x.shape)} differ")
+    return _launch(x, None, gate, weight, eps, int(group_size), x.dtype, None)[1]
