@@ -6,7 +6,8 @@ and by category, beside the step's wall time (TPOT) and its weight-read floor.
     PYTHONPATH=$PWD python benchmarks/decode_profile.py --smoke --out DIR       # CPU, tiny Mamba, fp32
     python benchmarks/decode_profile.py --plot DIR                              # the plot from DIR's JSON
 
-Variants: ``tp1`` (every rank decodes its own copy), and with 2 or more processes ``tpN`` (NCCL
+Variants: ``tp1`` (every rank decodes its own copy), ``tp1_unoptimised`` (the same with
+``Plan(skip_passes=OPTIONAL_PASSES)``: what the optimisation passes bring), and with 2 or more processes ``tpN`` (NCCL
 all-reduces) and ``tpN_symm`` (``Plan(allreduce="symm_mem")``: one-shot peer-memory all-reduce).
 Model: the Mamba-2.8B config with ``--layers`` of its 64 layers, random bf16 weights.
 
@@ -40,6 +41,7 @@ import torch.distributed as dist
 
 import ssmshard
 from ssmshard.families import BY_NAME
+from ssmshard.plan import OPTIONAL_PASSES
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_gpu import floor_row  # noqa: E402
@@ -109,7 +111,8 @@ def tpot_ms(generate, new_tokens: int, repeats: int, device) -> float:
 
 
 def variants(world: int, smoke: bool) -> dict:
-    plans = {"tp1": ssmshard.Plan(tp=1, training=False)}
+    plans = {"tp1": ssmshard.Plan(tp=1, training=False),
+             "tp1_unoptimised": ssmshard.Plan(tp=1, training=False, skip_passes=list(OPTIONAL_PASSES))}
     if world > 1:
         plans[f"tp{world}"] = ssmshard.Plan(tp=world, training=False)
         if not smoke:
@@ -131,7 +134,7 @@ def run(args) -> dict:
         started = time.perf_counter()
         dm = ssmshard.parallelize(model, plan, group=solo[rank] if plan.tp == 1 else None)
         dm.generation_programs()
-        row = {"tp": plan.tp, "allreduce": plan.allreduce, "setup_s": time.perf_counter() - started, "batches": {}}
+        row = {"tp": plan.tp, "allreduce": plan.allreduce, "skipped_passes": plan.skip_passes, "setup_s": time.perf_counter() - started, "batches": {}}
         for batch in args.batches:
             ids = torch.randint(1, config.vocab_size, (batch, args.prompt), device=device,
                                 generator=torch.Generator(device).manual_seed(args.seed))

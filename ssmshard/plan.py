@@ -24,6 +24,10 @@ import torch
 from .placement import REPLICATE, Placement
 
 
+# Passes a plan runs only to make its programs faster; ``Plan(skip_passes=[...])`` leaves them out.
+OPTIONAL_PASSES = ("fuse_rmsnorm",)
+
+
 class PlanError(ValueError):
     """The plan cannot be applied to this model; the message says what to change."""
 
@@ -74,6 +78,9 @@ class Plan:
     read, states and halos pass between ranks along the sequence. ``tp`` is set to ``tsp``.
     Generation prefills with a TSP program and decodes with the tensor-parallel program over the
     same shards (the prefill's states re-laid into TP's channel-sharded layout).
+
+    ``skip_passes``: optimisation passes (``OPTIONAL_PASSES``) to leave out of every program, to
+    measure what they bring or to rule one out; the results do not change, only the speed.
     """
 
     tp: int = 1
@@ -92,6 +99,9 @@ class Plan:
     drop_syncs: list = dataclasses.field(default_factory=list)
     allow_approximate: bool = False
     tsp: int = 1
+    # Optimisation passes to leave out (``OPTIONAL_PASSES``): to compare against, or to rule one out
+    # when a program misbehaves. The sharding and sync-point passes are the plan itself.
+    skip_passes: list = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
         if not isinstance(self.tp, int) or self.tp < 1:
@@ -116,6 +126,10 @@ class Plan:
                 or not all(isinstance(g, str) for g in self.drop_syncs):
             raise PlanError(f"drop_syncs must be a list of sync point names or globs, not {self.drop_syncs!r}")
         self.drop_syncs = list(self.drop_syncs)
+        if isinstance(self.skip_passes, str) or not all(name in OPTIONAL_PASSES for name in self.skip_passes):
+            raise PlanError(f"skip_passes must list optimisation passes ({', '.join(OPTIONAL_PASSES)}), "
+                            f"got {self.skip_passes!r}")
+        self.skip_passes = list(self.skip_passes)
         if self.drop_syncs and self.sequence_parallel:
             raise PlanError("drop_syncs with sequence_parallel=True: sequence parallelism reduce-scatters the "
                             "residual stream, and only all-reduce sync points can be dropped; use one or the other")
@@ -177,7 +191,7 @@ class Plan:
             if mode != "forward":  # generation programs: forward (training) programs keep torch's norms
                 steps.append(("fuse_rmsnorm", {}))
             steps.append(("swap_kernels", {"kernels": "triton"}))
-        return steps
+        return [step for step in steps if step[0] not in self.skip_passes]
 
     def _tsp_pipeline(self, *, placements, rank: int, group: str) -> list:
         """A forward (or sequence-sharded prefill) program under TSP. Decode and chunk programs of

@@ -61,8 +61,10 @@ SMOKES = {
     "allreduce": (["allreduce_gpu.py", "--out", "{out}"], "allreduce_tp2.json", "allreduce_tp2.png",
                   lambda r: r["tp"] == 2 and all(row["nccl_eager"] > 0 for row in r["rows"])),
     "decode_profile": (["decode_profile.py", "--out", "{out}"], "decode_profile.json", "decode_profile.png",
-                       lambda r: list(r["results"]) == ["tp1"]
-                       and all(c["kernels_per_step"] > 0 and c["kernels"] for c in r["results"]["tp1"]["batches"].values())),
+                       lambda r: list(r["results"]) == ["tp1", "tp1_unoptimised"]
+                       and r["results"]["tp1_unoptimised"]["skipped_passes"]
+                       and all(c["kernels_per_step"] > 0 and c["kernels"]
+                               for row in r["results"].values() for c in row["batches"].values())),
     "spd_accuracy": (["spd_accuracy.py", "--out", "{out}/spd.json"], "spd.json", "spd.png",
                      lambda r: [(c["model"], c["tp"]) for c in r["cases"]] == [("llama", 2)] and r["complete"]
                      and all(set(c["heldout"]["variants"]) == {"tp", "spd", "int8", "fp8", "spd+int8"}

@@ -75,6 +75,13 @@ def test_pipeline_fuses_generation_programs_only_under_triton():
     assert names("decode", "triton")[-2:] == ["fuse_rmsnorm", "swap_kernels"]
     assert names("prefill", "triton")[-2:] == ["fuse_rmsnorm", "swap_kernels"]
     assert "fuse_rmsnorm" not in names("forward", "triton") + names("decode", "reference")
+    skipping = ssmshard.Plan(skip_passes=["fuse_rmsnorm"])
+    assert [s[0] for s in skipping.pipeline("decode", placements={}, rank=0, group="g", kernels="triton")][-1:] \
+        == ["swap_kernels"] and "fuse_rmsnorm" not in str(skipping.pipeline("decode", placements={}, rank=0,
+                                                                              group="g", kernels="triton"))
+    for bad in (["propagate"], "fuse_rmsnorm", ["no_such_pass"]):
+        with pytest.raises(ssmshard.PlanError, match="skip_passes must list optimisation passes"):
+            ssmshard.Plan(skip_passes=bad)
 
 
 def test_tensor_parallel_generation_with_fused_norms_gives_hf_tokens(monkeypatch, fresh_seed):
