@@ -39,9 +39,25 @@ from .kernels.reference import _discretise_dt
 def local_cu_seqlens(cu_seqlens: Tensor, start: int, length: int) -> Tensor:
     """Offsets of the (pieces of) sequences inside tokens ``[start, start + length)`` of a packed
     row, from the row's global ``cu_seqlens``; tokens past the row's end form one more piece."""
-    inside = cu_seqlens[(cu_seqlens > start) & (cu_seqlens < start + length)] - start
+    with _data_dependent_length(cu_seqlens):
+        inside = cu_seqlens[(cu_seqlens > start) & (cu_seqlens < start + length)] - start
     edges = cu_seqlens.new_tensor([0]), inside, cu_seqlens.new_tensor([length])
     return torch.cat(edges)
+
+
+def _data_dependent_length(tensor: Tensor):
+    """Where the graph's fake values are propagated (the ``tsp`` pass), the number of sequence starts
+    in a chunk is an unbacked size that no output of the sequence block carries (the offsets only
+    feed the scan or conv, whose output shapes do not depend on them): say so to the shape
+    environment, which otherwise refuses a fresh unbacked size that never reaches an output."""
+    from contextlib import nullcontext
+
+    from torch._guards import detect_fake_mode
+
+    mode = detect_fake_mode([tensor])
+    if mode is None or mode.shape_env is None:
+        return nullcontext()
+    return mode.shape_env.ignore_fresh_unbacked_symbols()
 
 
 def _reached_by_carry(cu_seqlens: Optional[Tensor], start: int, length: int, device) -> Optional[Tensor]:
