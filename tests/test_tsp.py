@@ -90,15 +90,16 @@ def test_tsp_prefill_then_greedy_generate_equals_hf(world, families, tmp_path, f
 
 
 def test_tsp_packed_rows_equal_each_sequence_alone(tmp_path, fresh_seed):
-    """``ssmshard.pack`` rows through ``Plan(tsp=2)`` for Mamba-1 and Mamba-2: each sequence's logits
+    """``ssmshard.pack`` rows through ``Plan(tsp=2)`` for Mamba-1, Falcon-Mamba and Mamba-2: each sequence's logits
     equal HF eager on it alone (1e-5), and each rank's gradients the slices of HF's. Packings: a
     boundary exactly on the rank boundary (7 | 4 3: 14 tokens, chunks of 7), and one-token
     sequences beside a sequence spanning both ranks with an odd length (chunks padded)."""
     out = tmp_path / "packed.json"
     packings = [[7, 4, 3], [2, 9, 1, 3]]
-    ssmshard.launch(tsp_worker.packed_results, 2, ["mamba", "mamba2"], packings, fresh_seed, str(out))
+    families = ["mamba", "falcon_mamba", "mamba2"]
+    ssmshard.launch(tsp_worker.packed_results, 2, families, packings, fresh_seed, str(out))
     for rank, results in enumerate(json.loads(out.read_text())):
-        assert [(r["family"], r["lengths"]) for r in results] == [(f, p) for f in ("mamba", "mamba2") for p in packings]
+        assert [(r["family"], r["lengths"]) for r in results] == [(f, p) for f in families for p in packings]
         for r in results:
             where = f"{r['family']} {r['lengths']} rank {rank} (seed {fresh_seed})"
             assert r["logits_err"] < 1e-5, (where, r)
