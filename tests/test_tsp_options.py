@@ -6,8 +6,10 @@ gloo processes); tests/test_tsp.py runs TSP in real processes."""
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import ssmshard
+from ssmshard.capture import capture
 from ssmshard.testing import rel_err
 
 from conftest import small_model
@@ -62,3 +64,44 @@ def test_tsp_options_that_cannot_apply_raise_before_work():
     with pytest.raises(ValueError, match="static_kv"):
         rank0.generate(ids, max_new_tokens=8, static_kv=6)  # too few positions for 5 + 8 tokens
     assert rank0._generation is None  # nothing was captured
+
+
+class _ReceivedBytes(TorchDispatchMode):
+    """Bytes a rank receives through the TSP program's collectives, counted as they run: an
+    all-gather brings the D - 1 other ranks' inputs, a shift or broadcast one input."""
+
+    def __init__(self, world):
+        super().__init__()
+        self.world = world
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__ if func.namespace == "ssmshard" else None
+        sent = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if sent is not None and name in ("all_gather", "all_gather_partial_grad", "shift", "broadcast"):
+            copies = self.world - 1 if name.startswith("all_gather") else 1
+            self.total += copies * sent.numel() * sent.element_size()
+        return out
+
+
+@pytest.mark.parametrize("family", ["mamba2", "llama"])
+def test_explain_tsp_bytes_equal_the_collectives_measured(family):
+    """``plan.explain``'s TSP total (weights, halos, scan states, keys and values, logits) equals
+    the bytes each rank's collectives receive in one forward pass, counted at run time (batch 2,
+    16 tokens: chunks of 8, so every halo comes by one shift)."""
+    model = small_model(family)
+    world, batch, seq = 2, 2, 16
+    mesh = ssmshard.SimulatedMesh(model, ssmshard.Plan(tsp=world))
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq))
+
+    def received(dm):
+        counter = _ReceivedBytes(world)
+        with torch.no_grad(), counter:
+            dm(ids)
+        return counter.total
+
+    measured = mesh.run(received)
+    text = ssmshard.Plan(tsp=world).explain(capture(model, mode="forward"), model, batch=batch, seq=seq)
+    total = next(line for line in text[text.index("TP vs TSP"):].splitlines() if line.split()[:1] == ["total"])
+    assert measured == [int(total.split()[2].replace(",", ""))] * world, (family, measured, total)
