@@ -182,17 +182,14 @@ class _Rewriter:
     def _attention(self, node):
         schema = [a.name for a in node.target._schema.arguments]
         a = dict(zip(schema, node.args)) | dict(node.kwargs)
-        if self.program.packed:
-            raise ShardingError(f"Plan(tsp=...) does not run attention on packed rows ({node.name}): the block-"
-                                "diagonal mask is built over the whole row; use Plan(tp=...) for packed attention "
-                                "models, or Plan(tsp=...) unpacked")
         if a.get("dropout_p", 0.0) not in (0, 0.0):
             raise ShardingError(f"Plan(tsp=...) supports attention without dropout; {node.name} has dropout")
-        # The captured mask is the causal one, over padding in prefill (left-padded prompts):
-        # sequence_blocks.causal_attention rebuilds it from global positions and, in prefill, from
-        # the attention mask's local chunk (all-gathered there).
+        # The captured mask is the causal one, over padding in prefill (left-padded prompts), or a
+        # packed row's block-diagonal one: sequence_blocks.causal_attention rebuilds it from global
+        # positions and, in prefill, from the attention mask's local chunk (all-gathered there), in
+        # a packed program from the row's global cu_seqlens.
         kwargs = {"scale": a.get("scale"), "enable_gqa": a.get("enable_gqa", False),
-                  "key_mask": self.local_inputs.get("attention_mask")}
+                  "key_mask": self.local_inputs.get("attention_mask"), "cu_seqlens": self.cu_seqlens}
         return (sequence_blocks.causal_attention, (a["query"], a["key"], a["value"], self.rank, self.group), kwargs)
 
     # ------------------------------------------------------------- output

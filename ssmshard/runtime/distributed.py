@@ -327,10 +327,6 @@ def parallelize(model, plan: Plan, *, group=None, device_mesh=None, checkpoint=N
     ``packed=True`` also captures and shards the packed forward program, so ``forward`` accepts
     packed batches (:func:`ssmshard.pack`).
     """
-    if plan.tsp > 1 and packed and family_of(model).has_attention:
-        raise PlanError(f"Plan(tsp={plan.tsp}) runs packed batches of SSM models only; {family_of(model).class_name} "
-                        "has attention, whose block-diagonal packed mask the tsp pass does not split (docs/tsp.md). "
-                        "Use packed=False, or Plan(tp=...) for packing")
     program = capture(model, mode="forward")
     # Captured before any process-group work too: a model packing cannot serve fails here.
     packed_program = capture(model, mode="forward", packed=True) if packed else None
