@@ -19,8 +19,8 @@ chunk (docs/tsp.md):
   places this rank's queries at their global positions.
 
 Packed rows (``cu_seqlens``: global offsets over the whole row, batch 1) are supported by the
-conv and the scans: no state or halo crosses a sequence start, also where the start falls on a
-rank boundary.
+conv, the scans and attention: no state, halo or key crosses a sequence start, also where the
+start falls on a rank boundary.
 """
 
 from __future__ import annotations

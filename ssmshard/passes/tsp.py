@@ -16,6 +16,8 @@ gives at ``tp=D``) and ``1/D`` of the tokens (a contiguous chunk, padded inside 
 * the ops that mix tokens become their ``sequence_blocks`` counterparts: the causal conv takes
   its halo from the previous rank, the scans pass states over ranks, attention gathers keys
   and values (causal by global position);
+* a packed program's ``cu_seqlens`` stays whole (global offsets) and reaches every conv, scan
+  and attention, which keep sequences apart across the chunks;
 * the logits are all-gathered along the sequence (the padding dropped) before the output.
 
 Placements stay on the nodes: ``SeqShard(d)`` where a value carries the local tokens along
