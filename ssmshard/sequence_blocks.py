@@ -19,8 +19,8 @@ chunk (docs/tsp.md):
   places this rank's queries at their global positions.
 
 Packed rows (``cu_seqlens``: global offsets over the whole row, batch 1) are supported by the
-conv and the scans: no state or halo crosses a sequence start, also where the start falls on a
-rank boundary.
+conv, the scans and attention: no state, halo or key crosses a sequence start, also where the
+start falls on a rank boundary.
 """
 
 from __future__ import annotations
@@ -39,9 +39,25 @@ from .kernels.reference import _discretise_dt
 def local_cu_seqlens(cu_seqlens: Tensor, start: int, length: int) -> Tensor:
     """Offsets of the (pieces of) sequences inside tokens ``[start, start + length)`` of a packed
     row, from the row's global ``cu_seqlens``; tokens past the row's end form one more piece."""
-    inside = cu_seqlens[(cu_seqlens > start) & (cu_seqlens < start + length)] - start
+    with _data_dependent_length(cu_seqlens):
+        inside = cu_seqlens[(cu_seqlens > start) & (cu_seqlens < start + length)] - start
     edges = cu_seqlens.new_tensor([0]), inside, cu_seqlens.new_tensor([length])
     return torch.cat(edges)
+
+
+def _data_dependent_length(tensor: Tensor):
+    """Where the graph's fake values are propagated (the ``tsp`` pass), the number of sequence starts
+    in a chunk is an unbacked size that no output of the sequence block carries (the offsets only
+    feed the scan or conv, whose output shapes do not depend on them): say so to the shape
+    environment, which otherwise refuses a fresh unbacked size that never reaches an output."""
+    from contextlib import nullcontext
+
+    from torch._guards import detect_fake_mode
+
+    mode = detect_fake_mode([tensor])
+    if mode is None or mode.shape_env is None:
+        return nullcontext()
+    return mode.shape_env.ignore_fresh_unbacked_symbols()
 
 
 def _reached_by_carry(cu_seqlens: Optional[Tensor], start: int, length: int, device) -> Optional[Tensor]:
@@ -152,20 +168,30 @@ def ssd_scan(x, dt, A, B, C, chunk_size, D, dt_bias, dt_softplus: bool, dt_min: 
 
 # --------------------------------------------------------------------------- attention
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, rank: int, group: str, *, scale=None,
-                     enable_gqa: bool = False, key_mask: Optional[Tensor] = None) -> Tensor:
+                     enable_gqa: bool = False, key_mask: Optional[Tensor] = None,
+                     cu_seqlens: Optional[Tensor] = None) -> Tensor:
     """Causal ``scaled_dot_product_attention`` of this rank's queries (b, h, c, e) over every
     rank's keys and values (all-gathered along the sequence; the padding past the sequence end
     comes last, so causality already hides it from every real query).
 
     ``key_mask``: this rank's chunk (b, c) of a prompt's attention mask (0 at padding, as HF's
     left-padded prompts have): no query sees a padding key, except a padding query its own key
-    (its output is never read by a real token, but a row that sees nothing would be NaN)."""
+    (its output is never read by a real token, but a row that sees nothing would be NaN).
+
+    ``cu_seqlens``: a packed row's global offsets (batch 1): a query sees only the keys of its own
+    sequence (the block-diagonal causal mask, by global position). The padding past the row's end
+    counts as one more sequence, so a padding query still sees its own key."""
     c = q.shape[-2]
     keys = all_gather_partial_grad(k.contiguous(), -2, group)  # (b, hk, D * c, e)
     values = all_gather_partial_grad(v.contiguous(), -2, group)
     query_pos = torch.arange(c, device=q.device) + rank * c
     key_pos = torch.arange(world_of(group) * c, device=q.device)
     mask = key_pos[None, :] <= query_pos[:, None]  # (c, D * c)
+    if cu_seqlens is not None:
+        starts = cu_seqlens.to(q.device)
+        key_seq, query_seq = (torch.searchsorted(starts, pos.to(starts.dtype), right=True)
+                              for pos in (key_pos, query_pos))
+        mask = mask & (key_seq[None, :] == query_seq[:, None])
     if key_mask is not None:
         valid = all_gather(key_mask.contiguous(), 1, group).bool()  # (b, D * c)
         mask = (mask & valid[:, None, None, :]) | (key_pos[None, :] == query_pos[:, None])  # (b, 1, c, D * c)

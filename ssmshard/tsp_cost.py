@@ -8,7 +8,8 @@ Counted from the programs themselves, per rank and per forward pass, bytes recei
   reduce-scatter ``(D-1)/D``.
 * TSP: ``(D-1)/D`` of every whole weight an op of the layer reads (each read is one gather), of
   the keys and values of each attention, plus per sequence the conv halo (``k - 1`` tokens) and
-  the ``D`` gathered (state, decay) pairs of each scan, and the logits gathered along the sequence.
+  the ``D - 1`` (state, decay) pairs each scan's all-gather brings, and the logits gathered along
+  the sequence.
 
 The break-even is the number of tokens (batch x sequence) above which TSP moves fewer bytes: its
 weight traffic is fixed, TP's traffic grows with the tokens. Activations are reported as the
@@ -65,9 +66,12 @@ def _tsp_traffic(program, placements, world: int) -> tuple[dict, dict, dict]:
             x, weight = node.args[0].meta["val"], node.args[1].meta["val"]
             per_sequence[_layer_of(node)] += (weight.shape[-1] - 1) * x.shape[1] * x.element_size()
         elif node.target in (ssm.selective_scan.default, ssm.ssd_scan.default):
-            state = node.meta["val"][1]
-            per_state = state[0].numel() * state.element_size()
-            per_sequence[_layer_of(node)] += world * 2 * per_state  # (state, decay), decay at most as big
+            state = node.meta["val"][1][0]  # one sequence's: (d, n) for Mamba-1, (h, p, n) for Mamba-2
+            # The all-gather of every rank's (state, total decay) brings D - 1 of each; the decay is
+            # as big as the state for Mamba-1 (per channel and state dim), one value per head for
+            # Mamba-2 (sequence_blocks.selective_scan / ssd_scan).
+            decay = state.numel() if node.target is ssm.selective_scan.default else state.shape[0]
+            per_sequence[_layer_of(node)] += (world - 1) * (state.numel() + decay) * state.element_size()
         elif node.op == "output":  # the logits every rank returns whole: gathered along the sequence
             for value in node.all_input_nodes:
                 per_token[None] += share * (bytes_per_token(value.meta["val"], tokens) or 0)

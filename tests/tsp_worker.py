@@ -119,3 +119,39 @@ def generate_results(rank, world, cases, seed, out_path):
             result["prefill_err"].append(rel_err(logits, want))
         results.append(result)
     _write_on_rank0(rank, results, out_path)
+
+
+def packed_results(rank, world, families, packings, seed, out_path):
+    """A packed row (``ssmshard.pack``) through ``Plan(tsp=N)``: each sequence's logits against HF
+    eager on that sequence alone, and every rank's gradients of one loss over the row against the
+    matching slices of HF's gradients of the same loss summed over the sequences run alone."""
+    results = []
+    for family in families:
+        model = small_model(family)
+        dm = ssmshard.parallelize(model, ssmshard.Plan(tsp=world), packed=True)
+        gen = torch.Generator().manual_seed(seed)
+        vocab = model.config.vocab_size
+        for lengths in packings:
+            sequences = [torch.randint(0, vocab, (n,), generator=gen) for n in lengths]
+            batch = ssmshard.pack(sequences)
+            probes = [torch.randn(1, n, vocab, generator=gen) for n in lengths]
+            logits = dm(batch)
+            (logits * torch.cat(probes, dim=1)).sum().backward()
+            dm.sync_replicated_grads()
+            model.zero_grad()
+            errors = []
+            for ids, got, probe in zip(sequences, batch.unpack(logits.detach()), probes):
+                want = model(ids[None]).logits
+                (want * probe).sum().backward()
+                errors.append(rel_err(got, want.detach()))
+            named = dict(model.named_parameters(remove_duplicate=False))
+            got, want = [], []
+            for fqn, spec in dm.program.param_specs.items():
+                if spec.kind == "parameter" and named[fqn].grad is not None:
+                    want.append(local_slice(named[fqn].grad, spec.placement, rank).flatten())
+                    got.append(dm.local_weight(fqn).grad.flatten())
+                    dm.local_weight(fqn).grad = None
+            model.zero_grad()
+            results.append({"family": family, "lengths": lengths, "logits_err": max(errors),
+                            "grad_err": rel_err(torch.cat(got), torch.cat(want))})
+    _write_on_rank0(rank, results, out_path)

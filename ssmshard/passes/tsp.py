@@ -16,6 +16,8 @@ gives at ``tp=D``) and ``1/D`` of the tokens (a contiguous chunk, padded inside 
 * the ops that mix tokens become their ``sequence_blocks`` counterparts: the causal conv takes
   its halo from the previous rank, the scans pass states over ranks, attention gathers keys
   and values (causal by global position);
+* a packed program's ``cu_seqlens`` stays whole (global offsets) and reaches every conv, scan
+  and attention, which keep sequences apart across the chunks;
 * the logits are all-gathered along the sequence (the padding dropped) before the output.
 
 Placements stay on the nodes: ``SeqShard(d)`` where a value carries the local tokens along
@@ -69,11 +71,19 @@ class _Rewriter:
         the sequence right after the placeholders, and every use reads the local chunk."""
         placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
         users = [n for n in placeholders if self.inputs[n.name].kind == "user"]
-        mode = self.program.mode
-        if self.program.packed or mode not in ("forward", "prefill") or (mode == "forward" and len(users) != 1):
-            raise ShardingError(f"the tsp pass shards forward programs over input_ids and prefill programs, not a "
-                                f"{'packed ' if self.program.packed else ''}{mode} program")
+        mode, packed = self.program.mode, self.program.packed
+        # A packed forward program reads (input_ids, cu_seqlens): the offsets stay whole (global),
+        # every conv and scan cuts its own chunk's part of them (sequence_blocks).
+        expected_users = 2 if packed else 1
+        if mode not in ("forward", "prefill") or (packed and mode != "forward") \
+                or (mode == "forward" and len(users) != expected_users):
+            raise ShardingError(f"the tsp pass shards forward programs over input_ids (packed ones over input_ids "
+                                f"and cu_seqlens) and prefill programs, not a {'packed ' if packed else ''}{mode} "
+                                "program")
         ids = users[0]
+        self.cu_seqlens = users[1] if packed else None
+        if packed:
+            users = users[:1]
         with self.graph.inserting_after(placeholders[-1]):
             self.length = self.call(aten.sym_size.int, (ids, 1), None)
         anchor, self.local_inputs = self.length, {}
@@ -132,17 +142,19 @@ class _Rewriter:
             if node.target is ssm.causal_conv1d.default:
                 a = self._bound(node, "causal_conv1d")
                 replacement = (sequence_blocks.causal_conv1d,
-                               (a["x"], a["weight"], a["bias"], a["activation"], self.rank, self.group))
+                               (a["x"], a["weight"], a["bias"], a["activation"], self.rank, self.group,
+                                a.get("cu_seqlens")))
             elif node.target is ssm.selective_scan.default:
                 a = self._bound(node, "selective_scan", "initial_state")
                 replacement = (sequence_blocks.selective_scan,
                                (a["u"], a["delta"], a["A"], a["B"], a["C"], a["D"], a["z"], a["delta_bias"],
-                                a["delta_softplus"], self.rank, self.group))
+                                a["delta_softplus"], self.rank, self.group, a.get("cu_seqlens")))
             elif node.target is ssm.ssd_scan.default:
                 a = self._bound(node, "ssd_scan", "initial_states")
                 replacement = (sequence_blocks.ssd_scan,
                                (a["x"], a["dt"], a["A"], a["B"], a["C"], a["chunk_size"], a["D"], a["dt_bias"],
-                                a["dt_softplus"], a["dt_min"], a["dt_max"], self.rank, self.group))
+                                a["dt_softplus"], a["dt_min"], a["dt_max"], self.rank, self.group,
+                                a.get("cu_seqlens")))
             elif node.target is aten.scaled_dot_product_attention.default:
                 replacement = self._attention(node)
             elif node.target in _TOKEN_MIXING_UNSUPPORTED:
@@ -157,11 +169,16 @@ class _Rewriter:
             self.graph.erase_node(node)
 
     def _bound(self, node, name, *must_be_none):
+        """The op's arguments by name. ``cu_seqlens`` may only be the packed program's global
+        offsets (handed on to the sequence block); an initial state is refused."""
         a = SIGNATURES[name].bind(node.args, node.kwargs)
-        for arg in (*must_be_none, "cu_seqlens"):
+        for arg in must_be_none:
             if a.get(arg) is not None:
                 raise ShardingError(f"Plan(tsp=...) runs {name} from the sequence start: {arg} at {node.name} "
-                                    "is not supported (packed or stateful programs)")
+                                    "is not supported (stateful programs)")
+        if a.get("cu_seqlens") is not None and a["cu_seqlens"] is not self.cu_seqlens:
+            raise ShardingError(f"Plan(tsp=...) passes the packed row's global cu_seqlens input to {name}; at "
+                                f"{node.name} it reads {a['cu_seqlens']} instead, which the pass cannot split")
         return a
 
     def _attention(self, node):
@@ -169,11 +186,12 @@ class _Rewriter:
         a = dict(zip(schema, node.args)) | dict(node.kwargs)
         if a.get("dropout_p", 0.0) not in (0, 0.0):
             raise ShardingError(f"Plan(tsp=...) supports attention without dropout; {node.name} has dropout")
-        # The captured mask is the causal one, over padding in prefill (left-padded prompts):
-        # sequence_blocks.causal_attention rebuilds it from global positions and, in prefill, from
-        # the attention mask's local chunk (all-gathered there).
+        # The captured mask is the causal one, over padding in prefill (left-padded prompts), or a
+        # packed row's block-diagonal one: sequence_blocks.causal_attention rebuilds it from global
+        # positions and, in prefill, from the attention mask's local chunk (all-gathered there), in
+        # a packed program from the row's global cu_seqlens.
         kwargs = {"scale": a.get("scale"), "enable_gqa": a.get("enable_gqa", False),
-                  "key_mask": self.local_inputs.get("attention_mask")}
+                  "key_mask": self.local_inputs.get("attention_mask"), "cu_seqlens": self.cu_seqlens}
         return (sequence_blocks.causal_attention, (a["query"], a["key"], a["value"], self.rank, self.group), kwargs)
 
     # ------------------------------------------------------------- output

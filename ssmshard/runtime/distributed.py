@@ -259,13 +259,16 @@ class DistributedModule(torch.nn.Module):
         if not (static_kv in (True, False, "auto") or (fixed_length and static_kv > 0)):
             raise ValueError(f"static_kv must be True, False, 'auto' or a positive number of positions, "
                              f"got {static_kv!r}")
+        on_cuda = all(w.is_cuda for w in self._local_weights().values())
+        if cuda_graph is True and not on_cuda:  # here, before the decode programs are built
+            raise ValueError("cuda_graph=True: the decode step cannot be a CUDA graph: the weights are not on a "
+                             "CUDA device; pass cuda_graph=False")
         family = family_of(self._model)
         if not family.has_attention:
             if static_kv not in (False, "auto"):
                 raise ValueError(f"static_kv={static_kv!r}: {family.class_name} has no attention keys/values; its "
                                  "decode states have fixed shapes already (leave static_kv unset)")
             return None
-        on_cuda = all(w.is_cuda for w in self._local_weights().values())
         wants_graph = cuda_graph is True or (cuda_graph == "auto" and on_cuda)
         if static_kv is False or (static_kv == "auto" and not wants_graph):
             return None
@@ -324,9 +327,6 @@ def parallelize(model, plan: Plan, *, group=None, device_mesh=None, checkpoint=N
     ``packed=True`` also captures and shards the packed forward program, so ``forward`` accepts
     packed batches (:func:`ssmshard.pack`).
     """
-    if plan.tsp > 1 and packed:
-        raise PlanError(f"Plan(tsp={plan.tsp}) does not run packed batches (its forward program runs from the "
-                        "sequence start); use packed=False, or Plan(tp=...) for packing")
     program = capture(model, mode="forward")
     # Captured before any process-group work too: a model packing cannot serve fails here.
     packed_program = capture(model, mode="forward", packed=True) if packed else None

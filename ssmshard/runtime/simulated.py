@@ -81,7 +81,20 @@ class SimulatedMesh:
     def generate(self, input_ids, attention_mask=None, **kwargs):
         """Rank 0's output of ``DistributedModule.generate`` (every rank returns the same ids)."""
         self._generation_programs(kwargs.get("prefill_chunk_size"), input_ids)
+        if self._may_decode_static_kv(kwargs.get("static_kv", "auto")):
+            for dm in self.ranks:  # captured here for the same reason as the other programs
+                dm.static_decode_program()
         return self.run(lambda dm: dm.generate(input_ids, attention_mask, **kwargs))[0]
+
+    def _may_decode_static_kv(self, static_kv) -> bool:
+        """Whether ``generate(static_kv=...)`` may decode over static key/value buffers: asked
+        for, or ``"auto"`` with the weights on CUDA (``DistributedModule._static_kv_length``
+        decides and checks the rest)."""
+        from ..families import family_of
+
+        if static_kv is False or not family_of(self.model).has_attention:
+            return False
+        return static_kv != "auto" or next(self.model.parameters()).is_cuda
 
     def _generation_programs(self, chunk_size, input_ids):
         """Capture and shard each rank's generation programs here, one rank after another (export

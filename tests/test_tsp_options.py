@@ -1,0 +1,107 @@
+"""Generation and runtime options of a ``Plan(tsp=D)`` module (docs/tsp.md, "Generation"):
+chunked prefill and static key/value decode against HF, and the options that cannot apply
+raising before any rank runs. Ranks run in one process on ``ssmshard.SimulatedMesh`` (the same
+``DistributedModule`` code as a real process; tests/test_simulated_mesh.py checks it against
+gloo processes); tests/test_tsp.py runs TSP in real processes."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import ssmshard
+from ssmshard.capture import capture
+from ssmshard.testing import rel_err
+
+from conftest import small_model
+from generate_worker import left_padded_prompts
+
+
+def _hf(model, call):
+    with torch.no_grad():
+        return call(model)
+
+
+# Each case captures and shards four programs per rank (forward, TP and TSP prefill, decode, chunk):
+# 70 s for mamba2 and 300 s for zamba2 on the shared 2-core machine, hence the slow set.
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["mamba2", "zamba2"])
+def test_tsp_chunked_prefill_equals_hf(family, fresh_seed):
+    """``prefill_chunk_size`` under TSP: the first chunk is prefilled sequence-sharded, the later
+    chunks by the tensor-parallel chunk program over the same shards. A left-padded batch (lengths
+    11, 6, 9) in chunks of 4: greedy tokens equal HF's, the last-token logits HF eager's (1e-5)."""
+    model = small_model(family)
+    mesh = ssmshard.SimulatedMesh(model, ssmshard.Plan(tsp=2))
+    ids, mask = left_padded_prompts(model.config.vocab_size, (11, 6, 9), fresh_seed)
+    ours = mesh.generate(ids, mask, max_new_tokens=4, prefill_chunk_size=4)
+    want = _hf(model, lambda m: m.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False))
+    assert torch.equal(ours, want), (family, fresh_seed, ours, want)
+    expected = _hf(model, lambda m: m(ids, attention_mask=mask).logits[:, -1:])
+    for rank, (logits, _) in enumerate(mesh.prefill(ids, mask, chunk_size=4)):
+        assert rel_err(logits, expected) < 1e-5, (family, rank, fresh_seed)
+
+
+@pytest.mark.slow
+def test_tsp_static_kv_decode_equals_hf(fresh_seed):
+    """``static_kv=True`` and a fixed number of positions: the TSP prefill's keys and values,
+    re-laid by heads, fill the static buffers of the tensor-parallel decode step (eager on CPU)."""
+    model = small_model("llama")
+    mesh = ssmshard.SimulatedMesh(model, ssmshard.Plan(tsp=2))
+    ids, mask = left_padded_prompts(model.config.vocab_size, (7, 4), fresh_seed)
+    want = _hf(model, lambda m: m.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False))
+    for static_kv in (True, 16):
+        ours = mesh.generate(ids, mask, max_new_tokens=5, static_kv=static_kv, cuda_graph=False)
+        assert torch.equal(ours, want), (static_kv, fresh_seed, ours, want)
+
+
+def test_tsp_options_that_cannot_apply_raise_before_work():
+    """Each rank raises before building its generation programs or entering a collective: rank 0
+    is called alone here, so a collective would never return."""
+    model = small_model("llama")
+    rank0 = ssmshard.SimulatedMesh(model, ssmshard.Plan(tsp=2), timeout=20).ranks[0]
+    ids = torch.randint(1, model.config.vocab_size, (1, 5))
+    with pytest.raises(ValueError, match="cuda_graph=True.*not on a CUDA device"):
+        rank0.generate(ids, max_new_tokens=2, cuda_graph=True)
+    with pytest.raises(ValueError, match="static_kv"):
+        rank0.generate(ids, max_new_tokens=8, static_kv=6)  # too few positions for 5 + 8 tokens
+    assert rank0._generation is None  # nothing was captured
+
+
+class _ReceivedBytes(TorchDispatchMode):
+    """Bytes a rank receives through the TSP program's collectives, counted as they run: an
+    all-gather brings the D - 1 other ranks' inputs, a shift or broadcast one input."""
+
+    def __init__(self, world):
+        super().__init__()
+        self.world = world
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__ if func.namespace == "ssmshard" else None
+        sent = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if sent is not None and name in ("all_gather", "all_gather_partial_grad", "shift", "broadcast"):
+            copies = self.world - 1 if name.startswith("all_gather") else 1
+            self.total += copies * sent.numel() * sent.element_size()
+        return out
+
+
+@pytest.mark.parametrize("family", ["mamba2", "llama"])
+def test_explain_tsp_bytes_equal_the_collectives_measured(family):
+    """``plan.explain``'s TSP total (weights, halos, scan states, keys and values, logits) equals
+    the bytes each rank's collectives receive in one forward pass, counted at run time (batch 2,
+    16 tokens: chunks of 8, so every halo comes by one shift)."""
+    model = small_model(family)
+    world, batch, seq = 2, 2, 16
+    mesh = ssmshard.SimulatedMesh(model, ssmshard.Plan(tsp=world))
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq))
+
+    def received(dm):
+        counter = _ReceivedBytes(world)
+        with torch.no_grad(), counter:
+            dm(ids)
+        return counter.total
+
+    measured = mesh.run(received)
+    text = ssmshard.Plan(tsp=world).explain(capture(model, mode="forward"), model, batch=batch, seq=seq)
+    total = next(line for line in text[text.index("TP vs TSP"):].splitlines() if line.split()[:1] == ["total"])
+    assert measured == [int(total.split()[2].replace(",", ""))] * world, (family, measured, total)
