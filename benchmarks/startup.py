@@ -3,12 +3,15 @@
     python benchmarks/startup.py [--families mamba zamba2 llama] [--layers64] [--chunked] [--profile FILE]
 
 Runs in one process with a gloo world of 1 (tp=1). For each family it builds the small test
-model (``build_small_model``, as tests/conftest.py does), then times ``parallelize`` and the
-first ``generate`` (3 left-padded prompts, 20 new tokens), and prints the time spent in
-torch.export (capture), in the passes themselves, in the verifier's fake-tensor propagation,
-and in the generation itself. ``--layers64``: also a 64-layer Mamba of small width (capture and
-pass cost grow with the node count, not the width). ``--repeat``: parallelize the same model a
-second time (what the in-process program cache serves). ``--profile FILE``: cProfile to FILE.
+model (``build_small_model``, as tests/conftest.py does), then times ``parallelize``, the
+generation programs (prefill and decode, captured and sharded on first use), and a generate
+with them ready (3 left-padded prompts, 20 new tokens). Under each it prints the time spent
+in torch.export (capture) and in the verifier's fake-tensor propagation; the rest is the passes
+themselves, weight slicing and Python. ``--layers64``: also a 64-layer Mamba of the small width
+(capture and pass cost grow with the node count, not the width). ``--chunked``: also the first
+chunked-prefill generate (it captures the chunk program). ``--profile FILE``: cProfile to FILE.
+``SSMSHARD_FULL_PROPAGATION=1`` makes the verifier propagate every node after every
+shape-changing pass (how it worked before it recomputed only changed nodes).
 """
 
 from __future__ import annotations
@@ -55,39 +58,29 @@ def build(family: str, layers: int | None):
     return randomize_weights(build_small_model(family, **overrides), seed=1).eval()
 
 
-def measure(family: str, layers: int | None, chunked: bool, repeat: bool):
+def measure(family: str, layers: int | None, chunked: bool):
     model = build(family, layers)
     prompts = torch.randint(3, model.config.vocab_size, (3, 6))
     mask = torch.ones_like(prompts)
     mask[1, :2] = 0
     mask[2, :4] = 0  # left padding
-    rows = {}
-    SPENT.clear()
-    started = time.perf_counter()
-    dm = ssmshard.parallelize(model, ssmshard.Plan(tp=1))
-    rows["parallelize"] = time.perf_counter() - started
-    rows.update({f"  {k}": v for k, v in SPENT.items()})
-    SPENT.clear()
-    started = time.perf_counter()
-    dm.generation_programs()
-    rows["generation programs"] = time.perf_counter() - started
-    rows.update({f"  {k}": v for k, v in SPENT.items()})
-    started = time.perf_counter()
-    dm.generate(prompts, attention_mask=mask, max_new_tokens=20, do_sample=False)
-    rows["generate (programs ready)"] = time.perf_counter() - started
+    rows = []
+
+    def timed(what, run):
+        SPENT.clear()
+        started = time.perf_counter()
+        result = run()
+        rows.append((what, time.perf_counter() - started))
+        rows.extend((f"  {k}", v) for k, v in SPENT.items())
+        return result
+
+    dm = timed("parallelize", lambda: ssmshard.parallelize(model, ssmshard.Plan(tp=1)))
+    timed("generation programs", dm.generation_programs)
+    timed("generate (programs ready)",
+          lambda: dm.generate(prompts, attention_mask=mask, max_new_tokens=20, do_sample=False))
     if chunked:
-        SPENT.clear()
-        started = time.perf_counter()
-        dm.generate(prompts, attention_mask=mask, max_new_tokens=20, do_sample=False, prefill_chunk_size=4)
-        rows["first chunked generate"] = time.perf_counter() - started
-        rows.update({f"  {k}": v for k, v in SPENT.items()})
-    if repeat:
-        SPENT.clear()
-        started = time.perf_counter()
-        again = ssmshard.parallelize(model, ssmshard.Plan(tp=1))
-        again.generation_programs()
-        rows["second parallelize + generation programs"] = time.perf_counter() - started
-        rows.update({f"  {k}": v for k, v in SPENT.items()})
+        timed("first chunked generate", lambda: dm.generate(prompts, attention_mask=mask, max_new_tokens=20,
+                                                            do_sample=False, prefill_chunk_size=4))
     return rows
 
 
@@ -96,7 +89,6 @@ def main():
     parser.add_argument("--families", nargs="*", default=["mamba", "zamba2", "llama"])
     parser.add_argument("--layers64", action="store_true", help="also a 64-layer small-width Mamba")
     parser.add_argument("--chunked", action="store_true", help="also time the first chunked-prefill generate")
-    parser.add_argument("--repeat", action="store_true", help="also time a second parallelize of the same model")
     parser.add_argument("--profile", help="write a cProfile of everything to this file")
     args = parser.parse_args()
     with socket.socket() as s:
@@ -108,9 +100,9 @@ def main():
     profiler = cProfile.Profile() if args.profile else None
     with profiler or contextlib.nullcontext():
         for family, layers in runs:
-            rows = measure(family, layers, args.chunked, args.repeat)
+            rows = measure(family, layers, args.chunked)
             print(f"{family}{f' ({layers} layers)' if layers else ''}:")
-            for name, seconds in rows.items():
+            for name, seconds in rows:
                 print(f"  {name:<45} {seconds:7.2f} s")
     if profiler:
         profiler.dump_stats(args.profile)
