@@ -8,8 +8,6 @@ import time
 from collections import Counter
 from typing import Any, Callable, Iterable
 
-import torch
-
 from .fake_values import propagate_fake_values
 
 PassFn = Callable[["Program", "PassContext"], "Program"]  # noqa: F821
