@@ -1,7 +1,7 @@
 """How many nodes the verifier's fake propagation runs, and its CPU time, while the prefill and
 decode programs of a small model are sharded, with SSMSHARD_FULL_PROPAGATION=1 and without.
 
-    python benchmarks/verifier_nodes.py FAMILY TP      # e.g. zamba2 2; run from the repository root
+    python benchmarks/verifier_nodes.py FAMILY TP [LAYERS]   # e.g. zamba2 2, or mamba 1 64
 
 Node counts do not depend on the machine's load; CPU time (``time.process_time``) less than
 wall time does."""
@@ -25,7 +25,7 @@ def prop(*a):
 manager.propagate_fake_values = prop
 
 fam, tp = sys.argv[1], int(sys.argv[2])
-model, plan = small_model(fam), ssmshard.Plan(tp=tp)
+model, plan = small_model(fam, **({"num_hidden_layers": int(sys.argv[3])} if len(sys.argv) > 3 else {})), ssmshard.Plan(tp=tp)
 for full in ("1", "0"):
     os.environ["SSMSHARD_FULL_PROPAGATION"] = full
     counts.update(nodes=0, cpu=0.0)
