@@ -145,3 +145,48 @@ def test_bucket_siblings_replay_the_pipeline(scoped_pass, fresh_seed):
     assert [h["pass"] for h in sibling.history] == [*passes.CAPTURE_PASSES, "double_then_halve"]
     with torch.no_grad():
         assert rel_err(logits, model(ids).logits[:, -1:]) < 1e-5  # prefill returns the last position
+
+
+def test_verifier_catches_a_break_after_a_propagation_it_can_reuse(program, scoped_pass):
+    """The verifier recomputes only what changed since its last propagation: a pass after a
+    verified one that breaks a single edge is still caught."""
+    def break_shapes(program, ctx):
+        linears = {n.meta["ssmshard"]["role"]: n for n in program.graph.nodes
+                   if n.op == "call_function" and n.target is torch.ops.aten.linear.default}
+        linears["out_proj"].args = (linears["in_proj"], *linears["out_proj"].args[1:])
+        return program
+
+    scoped_pass("unchanged", lambda p, c: p)
+    scoped_pass("break_shapes", break_shapes)
+    passes.run_pipeline(program, ["unchanged"])  # a full propagation the next one reuses
+    with pytest.raises(passes.PassVerificationError, match="break_shapes"):
+        passes.run_pipeline(program, ["break_shapes"])
+
+
+def _described(val):
+    values = val if isinstance(val, (tuple, list)) else [val]
+    return [(str(v.shape), str(v.stride()), v.dtype) for v in values if isinstance(v, torch.Tensor)]
+
+
+@pytest.mark.parametrize("family", ["mamba", "llama"])
+def test_changed_only_propagation_writes_what_a_full_one_does(family, monkeypatch):
+    """After the sharding passes (tp=2), every node's fake value is what propagating every node
+    after every pass (SSMSHARD_FULL_PROPAGATION=1) gives."""
+    from ssmshard.runtime.pipeline import shard_program
+
+    model, plan = small_model(family), ssmshard.Plan(tp=2)
+
+    def sharded_decode():
+        prefill = shard_program(ssmshard.capture(model, mode="prefill"), model, plan, rank=1, group="fake_values")
+        return shard_program(ssmshard.capture(model, mode="decode"), model, plan, rank=1, group="fake_values",
+                             prefill=prefill)
+
+    monkeypatch.setenv("SSMSHARD_FULL_PROPAGATION", "1")
+    full = sharded_decode()
+    monkeypatch.setenv("SSMSHARD_FULL_PROPAGATION", "0")
+    changed_only = sharded_decode()
+    full_nodes, changed_nodes = list(full.graph.nodes), list(changed_only.graph.nodes)
+    assert [n.name for n in full_nodes] == [n.name for n in changed_nodes]
+    assert sum(1 for n in full_nodes if isinstance(n.meta.get("val"), torch.Tensor)) > 100
+    for a, b in zip(full_nodes, changed_nodes):
+        assert _described(a.meta.get("val")) == _described(b.meta.get("val")), a.name

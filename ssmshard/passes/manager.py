@@ -8,9 +8,7 @@ import time
 from collections import Counter
 from typing import Any, Callable, Iterable
 
-import torch
-from torch._guards import detect_fake_mode
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from .fake_values import propagate_fake_values
 
 PassFn = Callable[["Program", "PassContext"], "Program"]  # noqa: F821
 _REGISTRY: dict[str, PassFn] = {}
@@ -21,19 +19,6 @@ _ANALYSIS_ONLY: set[str] = set()
 # verified by lint and tags only (capture runs them on models of any size).
 _NO_REPROPAGATION: set[str] = set()
 REQUIRED_TAGS = ("module", "call_site", "layer", "block", "role")
-
-
-def propagate_fake_values(gm: torch.fx.GraphModule, vals: list) -> None:
-    """Run the graph on its placeholders' fake values, refreshing every node's ``meta["val"]``.
-
-    Attention is propagated through SDPA's math backend: on CUDA the fused backends' fake
-    kernels pad the mask with ``constant_pad_nd``, which refuses the symbolic key length of a
-    growing-cache decode program. Only shapes and dtypes are computed here, and they do not
-    depend on the backend; the program itself runs whichever backend torch picks."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
-        FakeTensorProp(gm, detect_fake_mode(vals)).propagate_dont_convert_inputs(*vals)
 
 
 class PassVerificationError(RuntimeError):

@@ -36,7 +36,8 @@ from ..comm.groups import declare_group_size
 from ..comm.weights import gather_shards, gathered_ranges
 from ..ops.signatures import SIGNATURES
 from ..placement import REPLICATE, Replicate, SeqShard, Shard
-from .manager import propagate_fake_values, register
+from .fake_values import propagate_fake_values
+from .manager import register
 from .shard.context import ShardingError, new_node
 from .shard.localize import _make_local
 

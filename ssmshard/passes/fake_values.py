@@ -1,0 +1,138 @@
+"""Fake-tensor propagation that recomputes only what a pass changed.
+
+The verifier re-propagates fake values after every pass that may change shapes. A full
+propagation runs every op of the program over symbolic shapes, most of it on nodes the pass
+did not touch (at tp=1 ``localize`` and ``communicate`` change next to nothing). Here a node is
+recomputed only when its op, its arguments or an input's value differ from the last
+propagation; a recomputed node whose value comes out with the same metadata (shape, strides,
+dtype, device: what a fake tensor carries) keeps its previous value object, so what follows it
+is not recomputed either. Each skipped node is one whose op ran before on exactly these input
+values, so the values it keeps are what a full propagation would compute.
+
+``SSMSHARD_FULL_PROPAGATION=1`` propagates every node, every time.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.node import map_aggregate
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+# node.meta key: (what the node computed from, the value it computed) at its last propagation.
+_PROPAGATED = "ssmshard_propagated"
+
+
+def propagate_fake_values(gm: torch.fx.GraphModule, vals: list) -> None:
+    """Run the graph on its placeholders' fake values, refreshing every node's ``meta["val"]``.
+
+    Attention is propagated through SDPA's math backend: on CUDA the fused backends' fake
+    kernels pad the mask with ``constant_pad_nd``, which refuses the symbolic key length of a
+    growing-cache decode program. Only shapes and dtypes are computed here, and they do not
+    depend on the backend; the program itself runs whichever backend torch picks."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    full = os.environ.get("SSMSHARD_FULL_PROPAGATION", "") not in ("", "0")
+    with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
+        _ChangedOnly(gm, detect_fake_mode(vals), full=full).propagate_dont_convert_inputs(*vals)
+
+
+class _ChangedOnly(FakeTensorProp):
+    def __init__(self, gm, mode, *, full: bool):
+        super().__init__(gm, mode)
+        self.full = full
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        if n.op == "placeholder":
+            # The given values are the placeholders' own meta["val"] objects: keep them, so
+            # that their identity tells the nodes below whether an input changed.
+            return torch.fx.Interpreter.run_node(self, n)
+        if n.op != "call_function":
+            return super().run_node(n)
+        inputs = (n.target, _leaves((n.args, n.kwargs), self.env))
+        previous = n.meta.get(_PROPAGATED)
+        if (not self.full and previous is not None and previous[1] is n.meta.get("val")
+                and _same_inputs(previous[0], inputs) and not self._simplifiable(previous[1])):
+            return previous[1]
+        old = n.meta.get("val")
+        super().run_node(n)
+        new = n.meta.get("val")
+        if old is not None and new is not None and _same_metadata(old, new):
+            n.meta["val"] = new = old  # unchanged: what reads it need not be recomputed
+        n.meta[_PROPAGATED] = (inputs, new)
+        return new
+
+    def _simplifiable(self, value) -> bool:
+        """Whether ``value`` names a symbol the shape environment has since replaced (export
+        may trace two lengths as two symbols and learn later that they are one): a full
+        propagation would write the simpler form, so recompute."""
+        shape_env = self._mode.shape_env
+        if shape_env is None or not shape_env.replacements:
+            return False
+        replaced = shape_env.replacements
+        return any(symbol in replaced for symbol in _free_symbols(value))
+
+
+def _free_symbols(value) -> set:
+    if isinstance(value, (tuple, list)):
+        return set().union(*(_free_symbols(v) for v in value)) if value else set()
+    if isinstance(value, torch.Tensor):
+        sizes = (*value.shape, *value.stride(), value.storage_offset())
+        return set().union(*(s.node.expr.free_symbols for s in sizes if isinstance(s, torch.SymInt)))
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return set(value.node.expr.free_symbols)
+    return set()
+
+
+def _leaves(args, env) -> list:
+    """``args`` flattened, each node replaced by its current value."""
+    out = []
+    map_aggregate(args, lambda a: out.append(env[a] if isinstance(a, torch.fx.Node) else a))
+    return out
+
+
+def _same_inputs(before, now) -> bool:
+    (target_before, leaves_before), (target_now, leaves_now) = before, now
+    return (target_before is target_now and len(leaves_before) == len(leaves_now)
+            and all(_same_leaf(a, b) for a, b in zip(leaves_before, leaves_now)))
+
+
+def _same_leaf(a, b) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)) or \
+            isinstance(b, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return False  # a value that is not the very object computed last time
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # an argument without a plain equality: treat as changed
+        return False
+
+
+def _same_metadata(a, b) -> bool:
+    """Whether two propagated values carry the same metadata (no guard is added comparing them)."""
+    if isinstance(a, (tuple, list)) or isinstance(b, (tuple, list)):
+        return (type(a) is type(b) and len(a) == len(b)
+                and all(_same_metadata(x, y) for x, y in zip(a, b)))
+    if isinstance(a, FakeTensor) or isinstance(b, FakeTensor):
+        return (type(a) is type(b) and a.dtype == b.dtype and a.device == b.device
+                and a.requires_grad == b.requires_grad and a.layout == b.layout
+                and _same_sizes(a.shape, b.shape) and _same_sizes(a.stride(), b.stride())
+                and _same_size(a.storage_offset(), b.storage_offset()))
+    return False  # symbolic and plain scalars are cheap: take the new one
+
+
+def _same_sizes(a, b) -> bool:
+    return len(a) == len(b) and all(_same_size(x, y) for x, y in zip(a, b))
+
+
+def _same_size(a, b) -> bool:
+    if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
+        return (isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt)
+                and a.node.expr == b.node.expr)  # structural: sympy, not a guard
+    return a == b
+
