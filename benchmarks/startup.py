@@ -1,6 +1,8 @@
 """CPU benchmark: how long ``ssmshard.parallelize`` and the first ``generate`` take, and where.
 
     python benchmarks/startup.py [--families mamba zamba2 llama] [--layers64] [--chunked] [--profile FILE]
+    python benchmarks/startup.py --verifier-nodes TP [--families ...] [--layers64]
+    python benchmarks/startup.py --smoke          # mamba only: checks the script
 
 Runs in one process with a gloo world of 1 (tp=1). For each family it builds the small test
 model (``build_small_model``, as tests/conftest.py does), then times ``parallelize``, the
@@ -12,6 +14,11 @@ themselves, weight slicing and Python. ``--layers64``: also a 64-layer Mamba of 
 chunked-prefill generate (it captures the chunk program). ``--profile FILE``: cProfile to FILE.
 ``SSMSHARD_FULL_PROPAGATION=1`` makes the verifier propagate every node after every
 shape-changing pass (how it worked before it recomputed only changed nodes).
+
+``--verifier-nodes TP``: instead, the nodes the verifier's fake propagation runs and its CPU time
+(``time.process_time``) while the prefill and decode programs of each model are sharded for the
+last rank of TP, with ``SSMSHARD_FULL_PROPAGATION=1`` and without. Node counts do not depend on
+the machine's load; CPU time less than wall time does.
 """
 
 from __future__ import annotations
@@ -84,19 +91,65 @@ def measure(family: str, layers: int | None, chunked: bool):
     return rows
 
 
+def verifier_nodes(family: str, layers: int | None, tp: int) -> None:
+    """Print the nodes propagated and the verifier's CPU time, full and changed-only."""
+    import os
+
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    from ssmshard.runtime.pipeline import shard_program
+
+    counts = {"nodes": 0, "cpu": 0.0}
+    run_node, propagate = FakeTensorProp.run_node, manager.propagate_fake_values
+
+    def counting_run_node(self, node):
+        counts["nodes"] += 1
+        return run_node(self, node)
+
+    def timed_propagate(*args):
+        started = time.process_time()
+        propagate(*args)
+        counts["cpu"] += time.process_time() - started
+
+    FakeTensorProp.run_node, manager.propagate_fake_values = counting_run_node, timed_propagate
+    model, plan = build(family, layers), ssmshard.Plan(tp=tp)
+    try:
+        for full in ("1", "0"):
+            os.environ["SSMSHARD_FULL_PROPAGATION"] = full
+            counts.update(nodes=0, cpu=0.0)
+            prefill = shard_program(ssmshard.capture(model, mode="prefill"), model, plan, rank=tp - 1, group="g")
+            shard_program(ssmshard.capture(model, mode="decode"), model, plan, rank=tp - 1, group="g",
+                          prefill=prefill)
+            print(f"{family}{f' ({layers} layers)' if layers else ''} tp={tp} "
+                  f"{'full' if full == '1' else 'changed-only'}: nodes propagated {counts['nodes']}, "
+                  f"verifier CPU {counts['cpu']:.2f} s")
+    finally:
+        FakeTensorProp.run_node, manager.propagate_fake_values = run_node, propagate
+        os.environ.pop("SSMSHARD_FULL_PROPAGATION", None)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--families", nargs="*", default=["mamba", "zamba2", "llama"])
     parser.add_argument("--layers64", action="store_true", help="also a 64-layer small-width Mamba")
     parser.add_argument("--chunked", action="store_true", help="also time the first chunked-prefill generate")
     parser.add_argument("--profile", help="write a cProfile of everything to this file")
+    parser.add_argument("--verifier-nodes", type=int, metavar="TP",
+                        help="count the verifier's propagated nodes at this tp instead of timing")
+    parser.add_argument("--smoke", action="store_true", help="mamba only, to check the script")
     args = parser.parse_args()
+    if args.smoke:
+        args.families, args.layers64 = ["mamba"], False
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    instrument()
     runs = [(f, None) for f in args.families] + ([("mamba", 64)] if args.layers64 else [])
+    if args.verifier_nodes:
+        for family, layers in runs:
+            verifier_nodes(family, layers, args.verifier_nodes)
+        return dist.destroy_process_group()
+    instrument()
     profiler = cProfile.Profile() if args.profile else None
     with profiler or contextlib.nullcontext():
         for family, layers in runs:

@@ -23,7 +23,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "benchmarks")
 SCRIPTS = ["allreduce_gpu.py", "bench_capture.py", "decode_gpu.py", "bench_selective_scan.py", "bench_ssd_scan.py",
            "bench_causal_conv1d.py", "decode_profile.py", "generate_gpu.py", "scaling_gpu.py", "spd_accuracy.py", "spd_recovery.py",
-           "static_kv_decode_gpu.py", "tp_gpu.py",
+           "startup.py", "static_kv_decode_gpu.py", "tp_gpu.py",
            "train_packed.py", "train_small_models.py", "tsp_memory.py"]
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
