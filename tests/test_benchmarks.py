@@ -89,7 +89,13 @@ SMOKES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(SMOKES))
+# The SPD accuracy smoke run (sensitivity, choice, four variants) takes over a minute on the CI
+# machine; the analysis itself is tested in tests/test_sensitivity.py.
+SLOW_SMOKES = {"spd_accuracy"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_SMOKES else n
+                                  for n in sorted(SMOKES)])
 def test_smoke_run_writes_json_and_plot(name, tmp_path):
     argv, json_name, png_name, check = SMOKES[name]
     argv = [a.format(out=tmp_path) for a in argv]

@@ -24,8 +24,15 @@ ARGUMENT_FAMILY = {1: "llama", 2: "mamba2", 4: "zamba2"}
 PROMPT = 12  # the widest of generate_worker's left-padded prompts
 
 
-@pytest.mark.parametrize("tp, families", [(1, SIX_FAMILIES), pytest.param(2, SIX_FAMILIES, marks=pytest.mark.compat),
-                                         pytest.param(4, TP4_FAMILIES, marks=pytest.mark.slow)], ids=["1", "2", "4"])
+# At tp = 1 nothing is split, and tp = 2 runs all six families: one family of each kind by default
+# (Mamba-1 SSM, hybrid, attention only), all six in the slow set.
+TP1_FAMILIES = ["mamba", "zamba2", "llama"]
+
+
+@pytest.mark.parametrize("tp, families", [(1, TP1_FAMILIES), pytest.param(2, SIX_FAMILIES, marks=pytest.mark.compat),
+                                         pytest.param(4, TP4_FAMILIES, marks=pytest.mark.slow),
+                                         pytest.param(1, SIX_FAMILIES, marks=pytest.mark.slow)],
+                         ids=["1", "2", "4", "1-all"])
 def test_generate_matches_hf_generate_and_states_are_sharded(tp, families, tmp_path, fresh_seed):
     """Greedy with the model's own generation config: exactly HF's tokens for 3 left-padded
     prompts of different lengths, 20 new tokens, all six families (at tp = 4, ``TP4_FAMILIES``);

@@ -184,7 +184,8 @@ def test_last_layer_drops_are_flushed_before_the_head(fresh_seed):
     assert not check_placements(both.program)
 
 
-@pytest.mark.parametrize("family, drop", [("llama", "layers.0.o_proj"), ("mamba2", "layers.0.out_proj")])
+@pytest.mark.parametrize("family, drop", [pytest.param("llama", "layers.0.o_proj", marks=pytest.mark.slow),
+                                          ("mamba2", "layers.0.out_proj")])
 def test_generate_under_spd_equals_the_spd_forward_step_by_step(family, drop, fresh_seed):
     """Greedy tokens of generate (prefill + decode, and chunked prefill) are the argmax of the SPD
     forward's last logits over the growing prefix."""

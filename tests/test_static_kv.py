@@ -17,9 +17,12 @@ import static_kv_worker
 ATTENTION_FAMILIES = ["zamba", "zamba2", "llama"]
 
 
-@pytest.mark.parametrize("tp, families", [(1, ATTENTION_FAMILIES),
+# tp = 2 runs the three attention families by default; at tp = 1 Llama, all three in the slow set.
+@pytest.mark.parametrize("tp, families", [(1, ["llama"]),
                                          pytest.param(2, ATTENTION_FAMILIES, marks=pytest.mark.compat),
-                                         pytest.param(4, ["llama"], marks=pytest.mark.slow)], ids=["1", "2", "4"])
+                                         pytest.param(4, ["llama"], marks=pytest.mark.slow),
+                                         pytest.param(1, ATTENTION_FAMILIES, marks=pytest.mark.slow)],
+                         ids=["1", "2", "4", "1-all"])
 def test_static_kv_decode_generates_hf_tokens(tp, families, tmp_path, fresh_seed):
     """dm.generate(static_kv=True | N) gives exactly HF's greedy tokens and the dynamic cache's, for
     two left-padded batches of prompts of different lengths, with buffers sized exactly and with
