@@ -74,6 +74,13 @@ class Plan:
     read, states and halos pass between ranks along the sequence. ``tp`` is set to ``tsp``.
     Generation prefills with a TSP program and decodes with the tensor-parallel program over the
     same shards (the prefill's states re-laid into TP's channel-sharded layout).
+
+    ``decode_states_in_place``: the decode program writes each new state into the state tensor
+    it was given and returns that tensor (the ``inplace_decode_states`` pass; the states passed
+    in are overwritten). ``fold_weights``: weight-only subgraphs (``-exp(A_log.float())``, casts of
+    weights) of inference programs are computed once per binding of the weights instead of every
+    call (the ``fold_weights`` pass): decode always, prefill and chunk when ``training=False``;
+    forward programs never (gradients must reach the weights). docs/decode.md.
     """
 
     tp: int = 1
@@ -92,6 +99,8 @@ class Plan:
     drop_syncs: list = dataclasses.field(default_factory=list)
     allow_approximate: bool = False
     tsp: int = 1
+    decode_states_in_place: bool = True
+    fold_weights: bool = True
 
     def __post_init__(self):
         if not isinstance(self.tp, int) or self.tp < 1:
@@ -174,6 +183,18 @@ class Plan:
                                             "block": self.quantize_block}))
         if kernels == "triton":
             steps.append(("swap_kernels", {"kernels": "triton"}))
+        steps += self.inference_steps(mode)
+        return steps
+
+    def inference_steps(self, mode: str) -> list:
+        """The passes after sharding and kernels that only inference programs get: states written
+        in place (decode), weight-only subgraphs folded (decode; prefill and chunk when the plan
+        does not train)."""
+        steps = []
+        if self.decode_states_in_place and mode == "decode":
+            steps.append("inplace_decode_states")
+        if self.fold_weights and (mode == "decode" or (mode in ("prefill", "chunk") and not self.training)):
+            steps.append("fold_weights")
         return steps
 
     def _tsp_pipeline(self, *, placements, rank: int, group: str) -> list:
