@@ -114,7 +114,7 @@ def test_decode_passes_leave_no_state_copy_and_no_weight_only_node(family):
     assert after == [], (family, after)
     if recurrent:  # A = -exp(A_log.float()) per SSM layer: folded
         ssm_layers = sum(1 for spec in plain.state_specs if spec.kind == "ssm")
-        assert len(_copies_of_states(plain)) == len(recurrent), family
+        assert len(_copies_of_states(plain)) >= len(recurrent), family
         assert _ops(plain, "exp") >= ssm_layers and _ops(passed, "exp") == _ops(plain, "exp") - ssm_layers, family
         assert len(before) >= 3 * ssm_layers, (family, len(before))
         assert len(passed.folded.names) > 0
