@@ -25,7 +25,7 @@ from .placement import REPLICATE, Placement
 
 
 # Passes a plan runs only to make its programs faster; ``Plan(skip_passes=[...])`` leaves them out.
-OPTIONAL_PASSES = ("fuse_rmsnorm",)
+OPTIONAL_PASSES = ("fuse_rmsnorm", "inplace_decode_states", "fold_weights")
 
 
 class PlanError(ValueError):
@@ -80,7 +80,14 @@ class Plan:
     same shards (the prefill's states re-laid into TP's channel-sharded layout).
 
     ``skip_passes``: optimisation passes (``OPTIONAL_PASSES``) to leave out of every program, to
-    measure what they bring or to rule one out; the results do not change, only the speed.
+    measure what they bring or to rule one out; the results do not change, only the speed. They
+    are ``fuse_rmsnorm`` (each RMSNorm, and the residual add before it, as one Triton kernel;
+    generation programs under the Triton kernels), ``inplace_decode_states`` (the decode program
+    writes each new state into the state tensor it was given and returns that tensor: the states
+    passed in are overwritten) and ``fold_weights`` (weight-only subgraphs such as
+    ``-exp(A_log.float())`` and casts of weights computed once per binding of the weights instead
+    of every call: decode always, prefill and chunk when ``training=False``, forward programs
+    never, since gradients must reach the weights). docs/decode.md.
     """
 
     tp: int = 1
@@ -191,7 +198,19 @@ class Plan:
             if mode != "forward":  # generation programs: forward (training) programs keep torch's norms
                 steps.append(("fuse_rmsnorm", {}))
             steps.append(("swap_kernels", {"kernels": "triton"}))
-        return [step for step in steps if step[0] not in self.skip_passes]
+        steps += self.inference_steps(mode)
+        return [step for step in steps if (step if isinstance(step, str) else step[0]) not in self.skip_passes]
+
+    def inference_steps(self, mode: str) -> list:
+        """The passes after sharding and kernels that only inference programs get: states written
+        in place (decode), weight-only subgraphs folded (decode; prefill and chunk when the plan
+        does not train)."""
+        steps = []
+        if mode == "decode":
+            steps.append("inplace_decode_states")
+        if mode == "decode" or (mode in ("prefill", "chunk") and not self.training):
+            steps.append("fold_weights")
+        return steps
 
     def _tsp_pipeline(self, *, placements, rank: int, group: str) -> list:
         """A forward (or sequence-sharded prefill) program under TSP. Decode and chunk programs of

@@ -55,7 +55,7 @@ class StateSpec:
 @dataclasses.dataclass
 class GraphInput:
     name: str  # placeholder name
-    kind: str  # parameter | buffer | constant | user
+    kind: str  # parameter | buffer | constant | user | derived (computed from weights: fold_weights)
     target: str | None  # FQN for weights, None for user inputs
 
 
@@ -75,6 +75,12 @@ class Program:
         # Decode over static key/value buffers (capture(static_kv=True)): one more user input,
         # the cache position, after the states; every input keeps its shape from step to step.
         self.static_kv = False
+        # Indices of the states a decode program writes into its own state inputs and returns
+        # as those same tensors (the ``inplace_decode_states`` pass): the caller's states change.
+        self.states_in_place: list[int] = []
+        # Weight-only subgraph computed once per binding (``passes.fold_weights.FoldedWeights``):
+        # it gives the ``derived`` inputs.
+        self.folded = None
         self.family = family
         self.inputs = inputs
         self.param_specs = param_specs
@@ -181,7 +187,8 @@ class Program:
         # Positional devices too (``aten.to.device(x, device, dtype)``), and nested graphs:
         # regions HF runs under torch.no_grad/autocast (Llama's rotary embedding) are captured
         # as submodules called by a wrap higher-order op.
-        for module in self.graph_module.modules():
+        folded = self.folded.graph_module.modules() if self.folded is not None else ()
+        for module in (*self.graph_module.modules(), *folded):
             if not isinstance(module, torch.fx.GraphModule):
                 continue
             changed = False
@@ -200,7 +207,9 @@ class Program:
         if self.weights is None:
             raise RuntimeError("this program has no weights bound: call program.bind(model) first "
                                "(a model captured on the meta device has none)")
-        return [self.weights[i.target] for i in self.inputs if i.kind != "user"]
+        derived = self.folded.values(self.weights) if self.folded is not None else {}
+        return [derived[i.target] if i.kind == "derived" else self.weights[i.target]
+                for i in self.inputs if i.kind != "user"]
 
     def admits(self, user_inputs) -> bool:
         """Whether the shapes of ``user_inputs`` lie in the ranges this graph was traced for."""

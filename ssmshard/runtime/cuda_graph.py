@@ -78,6 +78,7 @@ class GraphedDecode:
         # The sibling graph serving these shapes (an SSM step does not read the mask, so its
         # length is free; a static-K/V step's inputs keep their shapes).
         target = self.program.for_shapes(inputs)
+        self.target = target
         self.weights = target.weight_args()
         step = target.graph_module
 
@@ -95,8 +96,11 @@ class GraphedDecode:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             outputs = run()
+            # A program that writes its states in place (``inplace_decode_states``) returns the
+            # buffers themselves: nothing to copy back for those.
             for buffer, new in zip(self.states, outputs[1:]):
-                buffer.copy_(new)
+                if new is not buffer:
+                    buffer.copy_(new)
         self.logits = outputs[0]
 
     def reads_weights(self, weights: dict) -> bool:
@@ -106,7 +110,12 @@ class GraphedDecode:
         if self.graph is None:
             return True
         bound = {id(w) for w in weights.values()}
-        return all(id(w) in bound for w in self.weights)
+        kinds = [i.kind for i in self.target.inputs if i.kind != "user"]
+        if not all(id(w) in bound for w, kind in zip(self.weights, kinds) if kind != "derived"):
+            return False
+        # Values folded from the weights (``fold_weights``) are recomputed, as new tensors, when a
+        # weight they read was modified in place: the graph would read the old ones.
+        return all(now is then for now, then in zip(self.target.weight_args(), self.weights))
 
     def __call__(self, token, states, *, attention_mask, position_ids, check_inputs=False):
         # ``check_inputs``: the tokens come from the generation loop, always in range (and a check
