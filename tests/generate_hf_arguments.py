@@ -46,10 +46,13 @@ def _fails_on_call(input_ids, scores):
 def early_eos(model, generated, prompt_length, steps=(1, 3, 2)):
     """The model's generation_config with EOS ids it emits early: row r's greedy token at new step
     ``steps[r]`` (from ``generated``, HF's greedy ids under the model's own config), so every row
-    stops by then. Restored afterwards (the model object is shared)."""
+    stops by then. The model's own EOS ids stay in the set: a row that ended on one of them before
+    its step (its later ids are padding) stops there again. Restored afterwards (the model object
+    is shared)."""
     config = model.generation_config
-    eos = sorted({generated[row][prompt_length + step] for row, step in enumerate(steps)})
     saved = config.eos_token_id
+    own = [] if saved is None else [saved] if isinstance(saved, int) else list(saved)
+    eos = sorted({generated[row][prompt_length + step] for row, step in enumerate(steps)} | set(own))
     config.eos_token_id = eos
     try:
         yield eos
