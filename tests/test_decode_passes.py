@@ -81,7 +81,10 @@ def _step_by_step(model, plain, passed, seed):
     return results, same_objects
 
 
-@pytest.mark.parametrize("family", SIX_FAMILIES)
+# Zamba's program is the largest of the six and its decode states are rewritten as Zamba2's are:
+# in the slow set, to keep the default suite under its time budget.
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f == "zamba" else f
+                                    for f in SIX_FAMILIES])
 def test_decode_passes_keep_logits_and_hf_tokens(family, fresh_seed):
     model = small_model(family)
     plain, passed = _decode_programs(model)
