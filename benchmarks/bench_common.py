@@ -13,6 +13,7 @@ import os
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 
 SMOKE = "--smoke" in sys.argv
 if SMOKE:
@@ -66,3 +67,27 @@ def bar_chart(path: str, title: str, groups: list[str], series: dict[str, list],
     plt.close(fig)
     print(f"wrote {path}")
     return path
+
+
+@contextmanager
+def time_spent_in(module, names):
+    """Seconds spent in each function ``names`` of ``module`` (as the module calls them) while
+    the block runs: ``{name: seconds}``, filled as calls return."""
+    originals = {name: getattr(module, name) for name in names}
+    spent = dict.fromkeys(names, 0.0)
+
+    def timed(name, fn):
+        def call(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - started
+        return call
+    for name, fn in originals.items():
+        setattr(module, name, timed(name, fn))
+    try:
+        yield spent
+    finally:
+        for name, fn in originals.items():
+            setattr(module, name, fn)

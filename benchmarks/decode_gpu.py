@@ -58,6 +58,7 @@ then the compiled static-cache baseline (Llama).
 from __future__ import annotations
 
 import bench_common  # noqa: F401  (first: --smoke sets TRITON_INTERPRET before any kernel import)
+from bench_common import time_spent_in
 
 import argparse
 import datetime
@@ -69,7 +70,6 @@ import platform
 import statistics
 import sys
 import time
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -354,28 +354,6 @@ def forward(dm, ids):
     return dm(ids)
 
 
-@contextmanager
-def time_spent_in(module, names):
-    """Seconds spent in each function ``names`` of ``module`` (as the module calls them) while
-    the block runs: ``{name: seconds}``, filled as calls return."""
-    originals = {name: getattr(module, name) for name in names}
-    spent = dict.fromkeys(names, 0.0)
-
-    def timed(name, fn):
-        def call(*args, **kwargs):
-            started = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                spent[name] += time.perf_counter() - started
-        return call
-    for name, fn in originals.items():
-        setattr(module, name, timed(name, fn))
-    try:
-        yield spent
-    finally:
-        for name, fn in originals.items():
-            setattr(module, name, fn)
 
 
 def dynamo_graphs():

@@ -28,10 +28,11 @@ import contextlib
 import cProfile
 import socket
 import time
-from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+
+from bench_common import time_spent_in
 
 import ssmshard
 from ssmshard import capture as capture_module
@@ -39,25 +40,9 @@ from ssmshard.families import build_small_model
 from ssmshard.passes import manager
 from ssmshard.testing import randomize_weights
 
-SPENT = defaultdict(float)
-
-
-def _timed(owner, name, bucket):
-    original = getattr(owner, name)
-
-    def wrapper(*args, **kwargs):
-        started = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            SPENT[bucket] += time.perf_counter() - started
-
-    setattr(owner, name, wrapper)
-
-
-def instrument():
-    _timed(torch.export, "export", "capture (torch.export)")
-    _timed(manager, "propagate_fake_values", "verify (fake propagation)")
+# What each phase's time is spent in (module, function, label).
+INSIDE = ((torch.export, "export", "capture (torch.export)"),
+          (manager, "propagate_fake_values", "verify (fake propagation)"))
 
 
 def build(family: str, layers: int | None):
@@ -74,11 +59,13 @@ def measure(family: str, layers: int | None, chunked: bool):
     rows = []
 
     def timed(what, run):
-        SPENT.clear()
-        started = time.perf_counter()
-        result = run()
-        rows.append((what, time.perf_counter() - started))
-        rows.extend((f"  {k}", v) for k, v in SPENT.items())
+        with contextlib.ExitStack() as stack:
+            spent = [(label, stack.enter_context(time_spent_in(module, [name])), name)
+                     for module, name, label in INSIDE]
+            started = time.perf_counter()
+            result = run()
+            rows.append((what, time.perf_counter() - started))
+        rows.extend((f"  {label}", inside[name]) for label, inside, name in spent if inside[name])
         return result
 
     dm = timed("parallelize", lambda: ssmshard.parallelize(model, ssmshard.Plan(tp=1)))
@@ -149,7 +136,6 @@ def main():
         for family, layers in runs:
             verifier_nodes(family, layers, args.verifier_nodes)
         return dist.destroy_process_group()
-    instrument()
     profiler = cProfile.Profile() if args.profile else None
     with profiler or contextlib.nullcontext():
         for family, layers in runs:
