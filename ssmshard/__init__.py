@@ -9,9 +9,9 @@ from .plan import Plan, PlanError, Rule
 from .program import Program
 from .sensitivity import SensitivityReport, sensitivity
 from .runtime import (CheckpointError, DistributedModule, SimulatedMesh, launch, parallelize,
-                      parallelize_from_pretrained)
+                      parallelize_from_pretrained, release_cuda_graphs)
 
 __all__ = ["FAMILIES", "CheckpointError", "DistributedModule", "PackedBatch", "Plan", "PlanError", "Program",
            "Rule", "SensitivityReport", "SimulatedMesh", "build_small_model", "capture", "family_of", "launch", "pack", "parallelize",
-           "parallelize_from_pretrained", "passes", "sensitivity"]
+           "parallelize_from_pretrained", "passes", "release_cuda_graphs", "sensitivity"]
 __version__ = "0.1.0"

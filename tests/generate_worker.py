@@ -111,6 +111,27 @@ def generate_results(rank, world, families, seed, out_path, argument_families=()
             json.dump(results, f)
 
 
+_KEPT_ALIVE = []  # modules a worker leaves alive, as a user script's globals would be at its end
+
+
+def graphed_module_left_alive(rank, world, family, seed, out_path):
+    """Generates with a CUDA graph holding NCCL kernels and returns with the module still alive:
+    ``launch``'s teardown must release the graph, else destroying the process group waits forever."""
+    model = small_model(family).cuda()
+    try:
+        dm = ssmshard.parallelize(model, ssmshard.Plan(tp=world))
+        ids, mask = left_padded_prompts(model.config.vocab_size, (5, 12, 9), seed)
+        ids, mask = ids.cuda(), mask.cuda()
+        eager = dm.generate(ids, mask, max_new_tokens=8, pad_token_id=PAD, cuda_graph=False)
+        graphed = dm.generate(ids, mask, max_new_tokens=8, pad_token_id=PAD, cuda_graph=True)
+    finally:
+        model.cpu()
+    _KEPT_ALIVE.append(dm)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({"eager": eager.tolist(), "graphed": graphed.tolist()}, f)
+
+
 def graphed_vs_eager(rank, world, family, seed, out_path):
     """Greedy tokens of eager and CUDA-graph decoding (twice: capture, then replay) on GPUs, and
     HF's; then the graph replayed across a batch whose rows finish at different steps."""

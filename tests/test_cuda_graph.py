@@ -117,3 +117,30 @@ def test_graphed_decode_with_nccl_all_reduces_matches_eager(family, tmp_path, fr
     assert tokens["graphed"] == tokens["eager"] and tokens["again"] == tokens["eager"], (family, fresh_seed)
     assert tokens["eager"] == tokens["hf"], (family, fresh_seed)
     check_finishing_rows(tokens["finishing"], f"{family} tp=2 graphed (seed {fresh_seed})")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor-parallel CUDA graphs need 2 GPUs")
+def test_launch_ends_with_a_graphed_module_still_alive(tmp_path, fresh_seed):
+    """A rank function that returns with its module (and the module's NCCL-holding CUDA graph)
+    still alive: ``launch`` releases the graph before destroying the process group, which would
+    otherwise wait forever (pytorch/pytorch#115388)."""
+    import json
+    import threading
+
+    out = tmp_path / "tokens.json"
+    errors = []
+
+    def run():
+        try:
+            ssmshard.launch(generate_worker.graphed_module_left_alive, 2, "mamba2", fresh_seed, str(out),
+                            backend="nccl")
+        except BaseException as exc:  # noqa: BLE001  (re-raised below, in the test's thread)
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(240)
+    assert not thread.is_alive(), "the ranks did not end: the process-group teardown is waiting"
+    assert not errors, errors
+    tokens = json.loads(out.read_text())
+    assert tokens["graphed"] == tokens["eager"]

@@ -20,11 +20,32 @@ A dynamic-cache decode step of an attention model grows its keys/values each ste
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
 
 from .static_kv import StaticKV
+
+# Every captured decode graph of this process, so that all can be released before the process
+# group is destroyed (``release_cuda_graphs``).
+_CAPTURED: "weakref.WeakSet[GraphedDecode]" = weakref.WeakSet()
+
+
+def release_cuda_graphs() -> int:
+    """Release every decode CUDA graph this process captured; returns how many.
+
+    A live CUDA graph that captured NCCL kernels keeps its communicator in use, and NCCL's
+    teardown of that communicator (``dist.destroy_process_group()``) then waits for it forever
+    (pytorch/pytorch#115388): call this (or ``DistributedModule.release_cuda_graphs()``) before
+    destroying the process group. ``ssmshard.launch`` does it for its ranks. A released graph is
+    captured again by the next ``generate``."""
+    graphs = [graph for graph in _CAPTURED if graph.graph is not None]
+    if graphs:
+        torch.cuda.synchronize()
+    for graph in graphs:
+        graph.release()
+    return len(graphs)
 
 
 def why_not_graphable(program) -> Optional[str]:
@@ -94,6 +115,7 @@ class GraphedDecode:
                 run()
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
+        _CAPTURED.add(self)
         with torch.cuda.graph(self.graph):
             outputs = run()
             # A program that writes its states in place (``inplace_decode_states``) returns the
@@ -102,6 +124,14 @@ class GraphedDecode:
                 if new is not buffer:
                     buffer.copy_(new)
         self.logits = outputs[0]
+
+    def release(self) -> None:
+        """Free the graph and its buffers (the next call captures again)."""
+        if self.graph is not None:
+            self.graph.reset()
+        self.graph = None
+        for name in ("token", "positions", "states", "logits", "target", "weights"):
+            self.__dict__.pop(name, None)
 
     def reads_weights(self, weights: dict) -> bool:
         """Whether the graph still reads the tensors bound in ``weights`` (FQN -> tensor): a

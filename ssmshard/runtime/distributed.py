@@ -307,6 +307,16 @@ class DistributedModule(torch.nn.Module):
             graphed = self._decode_graphs[batch] = GraphedDecode(decode, length)
         return graphed
 
+    def release_cuda_graphs(self) -> None:
+        """Free this module's decode CUDA graphs (the next ``generate`` captures again). Call it,
+        or ``ssmshard.release_cuda_graphs()``, before ``dist.destroy_process_group()``: a live
+        graph holding NCCL kernels makes that teardown wait forever (pytorch/pytorch#115388)."""
+        if self._decode_graphs:
+            torch.cuda.synchronize()
+        for graphed in self._decode_graphs.values():
+            graphed.release()
+        self._decode_graphs.clear()
+
 
 def parallelize(model, plan: Plan, *, group=None, device_mesh=None, checkpoint=None, device=None,
                 progress: bool = True, packed: bool = False, allow_unexpected_keys: bool = False) -> DistributedModule:

@@ -140,6 +140,12 @@ def _worker(rank, world, port, backend, timeout, payload, error_file):
         # Leave the group now, without a barrier: a rank still waiting for this one in a
         # collective this one never called fails at once instead of at the timeout.
         if dist.is_initialized():
+            if backend == "nccl":
+                # A CUDA graph still holding NCCL kernels (a DistributedModule kept alive by the
+                # function or by a reference cycle) would make the teardown wait forever.
+                from .cuda_graph import release_cuda_graphs
+
+                release_cuda_graphs()
             dist.destroy_process_group()
     # Leave without running C++ static destructors: after a backward pass, a worker thread
     # can still be joinable there and abort the process ("terminate called without an active
