@@ -299,6 +299,8 @@ class Plan:
                  + (f", head_permutations at {list(self.head_permutations)}" if self.head_permutations else "")
                  + (f", quantize_syncs={self.quantize_syncs!r}" if self.quantize_syncs else "")
                  + f") on {program.family}:"]
+        if model is not None:
+            self.weight_permutations(program, model)  # a wrong head permutation is an error here too
         if self.tsp > 1:
             lines[0] = f"Plan(tsp={self.tsp}, vocab_parallel={self.vocab_parallel}) on {program.family}:"
         for fqn, spec, block, rule, family in self._rules_by_weight(program):
