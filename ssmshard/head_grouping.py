@@ -255,8 +255,8 @@ def weight_permutations(model, sync_point: str, head_permutation: list[int]) -> 
     head_permutation = list(head_permutation)
     blocks = [head_permutation[u * per_unit:(u + 1) * per_unit] for u in range(heads // per_unit)]
     if any(len({h // per_unit for h in block}) != 1 for block in blocks):
-        raise PlanError(f"head permutation of {sync_point!r}: {head_permutation} splits a {unit} of {per_unit} heads "
-                        f"across positions; each run of {per_unit} new positions must hold the heads of one "
+        raise PlanError(f"head permutation of {sync_point!r}: {head_permutation} splits a unit (a {unit} of "
+                        f"{per_unit} heads) across positions; each run of {per_unit} new positions must hold the heads of one "
                         f"original {unit}")
     units = [block[0] // per_unit for block in blocks]  # new unit u is original unit units[u]
     heads_t = torch.tensor(head_permutation)

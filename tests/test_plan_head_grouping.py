@@ -160,7 +160,7 @@ def llama():
     ("layers.0.down_proj", [0, 1], "an op without heads"),
     ("layers.0.o_proj", [0, 1, 2], r"must be a permutation of range\(4\)"),
     ("layers.0.o_proj", [0, 0, 1, 2], r"must be a permutation of range\(4\)"),
-    ("layers.0.o_proj", [0, 2, 1, 3], "splits a kv_group of 2 heads"),
+    ("layers.0.o_proj", [0, 2, 1, 3], r"splits a unit \(a kv_group of 2 heads\)"),
 ])
 def test_wrong_permutations_are_plan_errors(llama, point, permutation, message):
     model, program = llama
@@ -172,7 +172,7 @@ def test_wrong_permutations_are_plan_errors(llama, point, permutation, message):
 def test_a_permutation_that_splits_an_ssm_group_is_refused():
     model = small_model("mamba2")  # 2 groups of 4 heads
     plan = ssmshard.Plan(tp=2, head_permutations={"layers.0.out_proj": [0, 1, 2, 4, 3, 5, 6, 7]})
-    with pytest.raises(PlanError, match="splits a ssm_group of 4 heads"):
+    with pytest.raises(PlanError, match=r"splits a unit \(a ssm_group of 4 heads\)"):
         plan.weight_permutations(None, model)
 
 
@@ -187,7 +187,7 @@ def test_a_shared_transformer_is_refused():
 
 def test_errors_come_before_any_process_group(llama):
     model, _ = llama
-    with pytest.raises(PlanError, match="splits a kv_group"):  # no process group exists in this process
+    with pytest.raises(PlanError, match="splits a unit"):  # no process group exists in this process
         ssmshard.parallelize(model, ssmshard.Plan(tp=2, head_permutations={"layers.0.o_proj": [0, 2, 1, 3]}))
 
 
