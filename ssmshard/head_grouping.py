@@ -15,7 +15,11 @@ the balanced assignment of units to ranks that minimises the summed squared SPD 
 (equivalently ``sum_i ||tp * P_i - P||^2`` up to constants: each rank's share is made as
 representative of the whole as the units allow), and permutes the weights in place so that
 the chosen groups are the contiguous blocks the sharding cuts. The model stays an ordinary
-Hugging Face model: its outputs are unchanged without SPD, and any plan reads it.
+Hugging Face model: its outputs are unchanged without SPD, and any plan reads it. Or, with
+``apply=False``, the model is left alone and the plan carries the permutation
+(``Plan(head_permutations=grouping)``): each rank's slices are re-ordered on their way to it, from
+the model in memory or from the unpermuted checkpoint (``weight_permutations`` says which weights
+move and how, for both).
 
 Search: every balanced partition when there are at most ``EXHAUSTIVE_LIMIT`` of them (8 units
 at tp 2 have 35), otherwise best-improvement pair swaps until none lowers the objective, from
