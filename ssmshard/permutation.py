@@ -54,7 +54,7 @@ def local_reads(placement: Placement, rank: int, permutation: WeightPermutation 
     """The reads that give rank ``rank``'s local tensor of a weight placed at ``placement`` and
     re-ordered by ``permutation`` (None: not re-ordered)."""
     sharded = isinstance(placement, Shard)
-    if permutation is None or (sharded and placement.dim != permutation.dim) or not sharded:
+    if permutation is None or not sharded or placement.dim != permutation.dim:
         return LocalReads(placement.dim if sharded else None, local_ranges(placement, rank) if sharded else None,
                           permutation)
     positions = [p for start, length in local_ranges(placement, rank) for p in range(start, start + length)]
