@@ -11,9 +11,18 @@ calibration KL before and after and the loss per step.
 dropped sync point's block on the calibration split and reports the held-out perplexity of the
 grouped model without SPD (unchanged: the permutation is exact) and with SPD; distillation, if
 ``--steps`` > 0, then starts from the grouped model. ``--steps 0`` skips distillation.
+``--save-grouping FILE`` writes the chosen grouping as JSON (a list of ``HeadGrouping.as_dict()``).
+``--grouping FILE`` reads such a file instead of choosing: the SPD plan carries the permutation
+(``Plan(head_permutations=...)``, the model's weights untouched) and the held-out perplexity of exact
+TP and of SPD under it is reported (``tp_grouped``, ``spd_grouped``); distillation, if asked for,
+then runs on the model permuted in place (``recover`` trains the model's own weights).
 
     python benchmarks/spd_recovery.py --models-dir DIR --model mamba2 --tp 2 --drop layers.0.out_proj
     python benchmarks/spd_recovery.py --models-dir DIR --model llama --drop layers.0.o_proj --group-heads --steps 0
+    python benchmarks/spd_recovery.py --models-dir DIR --model llama --tp 4 --drop layers.0.o_proj --group-heads \
+        --steps 0 --save-grouping grouping.json
+    python benchmarks/spd_recovery.py --models-dir DIR --model llama --tp 4 --drop layers.0.o_proj \
+        --grouping grouping.json --steps 0
     python benchmarks/spd_recovery.py --smoke --out FILE   # a tiny random model: checks the script
 
 Writes JSON to --out (default benchmarks/results/spd_accuracy/spd_recovery.json) and a PNG of the
@@ -23,6 +32,7 @@ loss per step beside it; ``--save-dir`` also writes the recovered checkpoint (``
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import logging
@@ -82,6 +92,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--group-heads", action="store_true", help="group the dropped block's heads first")
+    parser.add_argument("--save-grouping", default=None, metavar="FILE",
+                        help="with --group-heads: write the chosen grouping here (JSON)")
+    parser.add_argument("--grouping", default=None, metavar="FILE",
+                        help="a grouping --save-grouping wrote: carried by the SPD plan instead of choosing one")
     parser.add_argument("--grouping-windows", type=int, default=None,
                         help="calibration windows for head grouping (default: --calibration-windows)")
     parser.add_argument("--threads", type=int, default=1)
@@ -91,6 +105,10 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "spd_accuracy",
                                                       "spd_recovery.json"))
     args = parser.parse_args()
+    if args.grouping and args.group_heads:
+        parser.error("--grouping reads a grouping, --group-heads chooses one: pass one of them")
+    if args.save_grouping and not args.group_heads:
+        parser.error("--save-grouping writes the grouping --group-heads chooses: add --group-heads")
     if args.smoke:
         args.model, args.tp = "mamba2", 2
         args.window, args.calibration_windows, args.heldout_windows, args.steps = 16, 4, 2, 3
@@ -140,6 +158,25 @@ def main() -> None:
               f"{grouping.unit}s {held}; calibration SPD error sum_i |P - P_i|^2 / |P|^2 "
               f"{grouping.error_before:.4f} -> {grouping.error_after:.4f}", flush=True)
         print(f"held-out: grouped eager {rows['grouped_eager']:.3f}, spd grouped {rows['spd_grouped']:.3f}", flush=True)
+        if args.save_grouping:
+            with open(args.save_grouping, "w") as f:
+                json.dump([grouping.as_dict()], f, indent=1)
+            print(f"wrote {args.save_grouping}")
+    if args.grouping:
+        from ssmshard.head_grouping import permute_heads
+
+        with open(args.grouping) as f:
+            saved = json.load(f)
+        carried = dataclasses.replace(plan, head_permutations=saved)  # PlanError for a grouping of another tp
+        rows["tp_grouped"] = heldout_perplexity(SimulatedMesh(model, Plan(tp=args.tp, head_permutations=saved),
+                                                              program=program))
+        rows["spd_grouped"] = heldout_perplexity(SimulatedMesh(model, carried, program=program))
+        print(f"held-out with the plan carrying {args.grouping}: exact tp {rows['tp_grouped']:.3f}, spd grouped "
+              f"{rows['spd_grouped']:.3f}", flush=True)
+        grouping = saved
+        if args.steps:  # recover trains the model's own weights: the grouping goes into them
+            for point, permutation in carried.head_permutations.items():
+                permute_heads(model, point, permutation)
     result, train_s = None, 0.0
     if args.steps:
         trained_at = time.perf_counter()
@@ -164,7 +201,7 @@ def main() -> None:
            "args": vars(args), "model": args.model, "tp": args.tp, "drop_syncs": list(args.drop),
            "heldout": {"windows": args.heldout_windows, "window": args.window,
                        "perplexity": rows, "relative_change_vs_tp": {k: v / exact - 1 for k, v in rows.items()}},
-           "head_grouping": grouping.as_dict() if grouping else None,
+           "head_grouping": grouping.as_dict() if hasattr(grouping, "as_dict") else grouping,
            "recovery": result.as_dict() if result else None, "train_s": train_s,
            "wall_s": time.perf_counter() - started}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

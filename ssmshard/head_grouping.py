@@ -15,7 +15,11 @@ the balanced assignment of units to ranks that minimises the summed squared SPD 
 (equivalently ``sum_i ||tp * P_i - P||^2`` up to constants: each rank's share is made as
 representative of the whole as the units allow), and permutes the weights in place so that
 the chosen groups are the contiguous blocks the sharding cuts. The model stays an ordinary
-Hugging Face model: its outputs are unchanged without SPD, and any plan reads it.
+Hugging Face model: its outputs are unchanged without SPD, and any plan reads it. Or, with
+``apply=False``, the model is left alone and the plan carries the permutation
+(``Plan(head_permutations=grouping)``): each rank's slices are re-ordered on their way to it, from
+the model in memory or from the unpermuted checkpoint (``weight_permutations`` says which weights
+move and how, for both).
 
 Search: every balanced partition when there are at most ``EXHAUSTIVE_LIMIT`` of them (8 units
 at tp 2 have 35), otherwise best-improvement pair swaps until none lowers the objective, from
@@ -33,6 +37,7 @@ import re
 import torch
 
 from .eval import windows as cut_windows
+from .permutation import WeightPermutation
 from .plan import PlanError
 
 EXHAUSTIVE_LIMIT = 200_000
@@ -233,13 +238,78 @@ def _swap_search(gram: torch.Tensor, groups: list[list[int]]) -> list[list[int]]
 
 
 # ----------------------------------------------------------------------------- the permutation
-def _rows(weight_or_bias, index, dim=0):
-    return weight_or_bias.data.copy_(weight_or_bias.data.index_select(dim, index))
-
-
 def _block_index(permutation: list[int], width: int) -> torch.Tensor:
     """Element index that moves blocks of ``width`` as ``permutation`` moves their positions."""
     return torch.cat([torch.arange(p * width, (p + 1) * width) for p in permutation])
+
+
+def weight_permutations(model, sync_point: str, head_permutation: list[int]) -> dict[str, WeightPermutation]:
+    """What re-ordering the heads of the block ``sync_point`` reduces does to its weights: for each
+    weight it moves (its FQN in ``model``), the dimension and the index (new position j holds the
+    original ``index[j]``). New head j is original head ``head_permutation[j]``. Read on the meta
+    device too (shapes only). ``PlanError`` for a name that is no such block (``_block``), a list
+    that is not a permutation of the block's heads, or one that splits a unit (an attention
+    key/value group's query heads; a Mamba-2 SSM group's heads with its B and C rows)."""
+    kind, path, module = _block(model, sync_point)
+    heads, per_unit, unit, _ = _heads(kind, module)
+    if (not isinstance(head_permutation, (list, tuple)) or not all(type(h) is int for h in head_permutation)
+            or sorted(head_permutation) != list(range(heads))):
+        raise PlanError(f"head permutation of {sync_point!r}: must be a permutation of range({heads}) (the block's "
+                        f"{heads} heads), not {head_permutation!r}")
+    head_permutation = list(head_permutation)
+    blocks = [head_permutation[u * per_unit:(u + 1) * per_unit] for u in range(heads // per_unit)]
+    if any(len({h // per_unit for h in block}) != 1 for block in blocks):
+        raise PlanError(f"head permutation of {sync_point!r}: {head_permutation} splits a unit (a {unit} of "
+                        f"{per_unit} heads) across positions; each run of {per_unit} new positions must hold the heads of one "
+                        f"original {unit}")
+    units = [block[0] // per_unit for block in blocks]  # new unit u is original unit units[u]
+    heads_t = torch.tensor(head_permutation)
+    moves: dict[str, tuple[int, torch.Tensor]] = {}  # parameter name in the block -> (dim, index)
+
+    def rows(name, index, dim=0):  # a bias that is None is left out
+        owner, _, leaf = name.rpartition(".")
+        if getattr(module.get_submodule(owner) if owner else module, leaf) is not None:
+            moves[name] = (dim, index)
+
+    if kind == "attention":
+        d = module.head_dim
+        q = _block_index(head_permutation, d)
+        kv = _block_index(units, d)
+        for proj, index in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            rows(f"{proj}.weight", index)
+            rows(f"{proj}.bias", index)
+        rows("o_proj.weight", q, dim=1)
+    elif kind == "mamba":
+        # Mamba-1 mixer: in_proj rows [x (I), gate (I)]; conv, dt_proj, A_log, D per channel; x_proj reads them
+        inner = module.out_proj.in_features
+        for name in ("in_proj.weight", "in_proj.bias"):
+            rows(name, torch.cat([heads_t, inner + heads_t]))
+        for name in ("conv1d.weight", "conv1d.bias", "dt_proj.weight", "dt_proj.bias", "A_log", "D"):
+            rows(name, heads_t)
+        rows("x_proj.weight", heads_t, dim=1)
+        rows("out_proj.weight", heads_t, dim=1)
+    else:
+        # Mamba-2 mixer: in_proj rows [gate (I), x (I), B (G*N), C (G*N), dt (H)], conv over [x, B, C]
+        inner, d, n = module.num_heads * module.head_dim, module.head_dim, module.ssm_state_size
+        channels = _block_index(head_permutation, d)
+        # with one SSM group B and C are shared and stay; with several, units are groups and move theirs
+        bc = torch.arange(n) if module.n_groups == 1 else _block_index(units, n)
+        bc_width = module.n_groups * n
+        xbc = torch.cat([channels, inner + bc, inner + bc_width + bc])
+        extra = module.in_proj.out_features - (2 * inner + 2 * bc_width + heads)
+        if extra:
+            raise PlanError(f"head grouping: {type(module).__name__}'s in_proj has {extra} rows beyond gate, xBC and "
+                            "dt (an MLP part): not supported")
+        in_rows = torch.cat([channels, inner + xbc, 2 * inner + 2 * bc_width + heads_t])
+        for name in ("in_proj.weight", "in_proj.bias"):
+            rows(name, in_rows)
+        for name in ("conv1d.weight", "conv1d.bias"):
+            rows(name, xbc)
+        for name in ("dt_bias", "A_log", "D"):
+            rows(name, heads_t)
+        rows("norm.weight", channels)
+        rows("out_proj.weight", channels, dim=1)
+    return {f"{path}.{name}": WeightPermutation(dim, index) for name, (dim, index) in moves.items()}
 
 
 @torch.no_grad()
@@ -247,71 +317,68 @@ def permute_heads(model, sync_point: str, head_permutation: list[int]) -> None:
     """Re-order the heads of the block ``sync_point`` reduces, in place: new head j is original
     head ``head_permutation[j]``. The model's function is unchanged. The permutation must move
     whole units (an attention key/value group's query heads with it; a Mamba-2 SSM group's heads
-    with its B and C rows)."""
-    kind, _, module = _block(model, sync_point)
-    heads, per_unit, _, _ = _heads(kind, module)
-    if sorted(head_permutation) != list(range(heads)):
-        raise ValueError(f"head_permutation must be a permutation of range({heads}), not {head_permutation}")
-    blocks = [head_permutation[u * per_unit:(u + 1) * per_unit] for u in range(heads // per_unit)]
-    if any(len({h // per_unit for h in block}) != 1 for block in blocks):
-        raise ValueError(f"head_permutation {head_permutation} splits a unit of {per_unit} heads "
-                         "(a key/value group or an SSM group) across positions")
-    units = [block[0] // per_unit for block in blocks]  # new unit u is original unit units[u]
-    heads_t = torch.tensor(head_permutation)
-    if kind == "attention":
-        d = module.head_dim
-        q = _block_index(head_permutation, d)
-        kv = _block_index(units, d)
-        for proj, index in ((module.q_proj, q), (module.k_proj, kv), (module.v_proj, kv)):
-            _rows(proj.weight, index)
-            if proj.bias is not None:
-                _rows(proj.bias, index)
-        _rows(module.o_proj.weight, q, dim=1)
-        return
-    if kind == "mamba":
-        # Mamba-1 mixer: in_proj rows [x (I), gate (I)]; conv, dt_proj, A_log, D per channel; x_proj reads them
-        inner = module.out_proj.in_features
-        _rows(module.in_proj.weight, torch.cat([heads_t, inner + heads_t]))
-        if module.in_proj.bias is not None:
-            _rows(module.in_proj.bias, torch.cat([heads_t, inner + heads_t]))
-        for param in (module.conv1d.weight, module.conv1d.bias, module.dt_proj.weight, module.dt_proj.bias,
-                      module.A_log, module.D):
-            if param is not None:
-                _rows(param, heads_t)
-        _rows(module.x_proj.weight, heads_t, dim=1)
-        _rows(module.out_proj.weight, heads_t, dim=1)
-        return
-    # Mamba-2 mixer: in_proj rows [gate (I), x (I), B (G*N), C (G*N), dt (H)], conv over [x, B, C]
-    inner, d, n = module.num_heads * module.head_dim, module.head_dim, module.ssm_state_size
-    channels = _block_index(head_permutation, d)
-    # with one SSM group B and C are shared and stay; with several, units are groups and move theirs
-    bc = torch.arange(n) if module.n_groups == 1 else _block_index(units, n)
-    bc_width = module.n_groups * n
-    xbc = torch.cat([channels, inner + bc, inner + bc_width + bc])
-    extra = module.in_proj.out_features - (2 * inner + 2 * bc_width + heads)
-    if extra:
-        raise PlanError(f"head grouping: {type(module).__name__}'s in_proj has {extra} rows beyond gate, xBC and dt "
-                        "(an MLP part): not supported")
-    in_rows = torch.cat([channels, inner + xbc, 2 * inner + 2 * bc_width + heads_t])
-    _rows(module.in_proj.weight, in_rows)
-    if module.in_proj.bias is not None:
-        _rows(module.in_proj.bias, in_rows)
-    _rows(module.conv1d.weight, xbc)
-    if module.conv1d.bias is not None:
-        _rows(module.conv1d.bias, xbc)
-    for param in (module.dt_bias, module.A_log, module.D):
-        _rows(param, heads_t)
-    _rows(module.norm.weight, channels)
-    _rows(module.out_proj.weight, channels, dim=1)
+    with its B and C rows). ``Plan(head_permutations=...)`` applies the same re-ordering on the way
+    to the ranks instead, leaving the model (and its checkpoint) as they are."""
+    for name, permutation in weight_permutations(model, sync_point, head_permutation).items():
+        weight = model.get_parameter(name)
+        weight.data.copy_(weight.data.index_select(permutation.dim, permutation.index))
+
+
+# ----------------------------------------------------------------------------- carried by a plan
+def normalize_head_permutations(value, tp: int) -> dict[str, list[int]]:
+    """``Plan(head_permutations=...)`` as ``{sync point: head permutation}`` (JSON-serialisable).
+
+    Accepted: ``{sync point: [new head j's original head, ...]}``; a :class:`HeadGrouping` or its
+    ``as_dict()``; a list of those (what ``json.load`` gives back for a saved list of groupings).
+    A grouping chosen for another ``tp`` is refused: its assignment was optimised for that split.
+    Only the form is checked here; the model (``plan_weight_permutations``) checks the rest."""
+    if value is None:
+        return {}
+    entries = value if isinstance(value, (list, tuple)) else [value]
+    if isinstance(value, dict) and not _is_grouping_dict(value):
+        entries = [{"sync_point": k, "head_permutation": v} for k, v in value.items()]
+    chosen: dict[str, list[int]] = {}
+    for entry in entries:
+        if isinstance(entry, HeadGrouping):
+            entry = entry.as_dict()
+        if not _is_grouping_dict(entry) or not isinstance(entry["sync_point"], str):
+            raise PlanError("head_permutations must be {sync point name: [head, ...]}, a HeadGrouping (what "
+                            "group_heads returns), its as_dict(), or a list of those; got " + repr(entry)[:200])
+        point, permutation = entry["sync_point"], entry["head_permutation"]
+        if "tp" in entry and entry["tp"] != tp:
+            raise PlanError(f"head_permutations: the grouping of {point!r} was chosen for tp={entry['tp']} but the "
+                            f"plan has tp={tp}; run group_heads at tp={tp} (or pass {{{point!r}: permutation}} to "
+                            "use its permutation anyway)")
+        if not isinstance(permutation, (list, tuple)) or not all(type(h) is int for h in permutation):
+            raise PlanError(f"head_permutations[{point!r}] must be a list of head indices, not {permutation!r}")
+        if point in chosen and chosen[point] != list(permutation):
+            raise PlanError(f"head_permutations gives {point!r} two different permutations")
+        chosen[point] = list(permutation)
+    return chosen
+
+
+def _is_grouping_dict(entry) -> bool:
+    return isinstance(entry, dict) and "sync_point" in entry and "head_permutation" in entry
+
+
+def plan_weight_permutations(model, head_permutations: dict[str, list[int]]) -> dict[str, WeightPermutation]:
+    """Every weight the plan's head permutations re-order (FQN in ``model``), checked against
+    ``model`` (``weight_permutations``'s errors) before any distributed work."""
+    permutations: dict[str, WeightPermutation] = {}
+    for point, head_permutation in head_permutations.items():
+        permutations.update(weight_permutations(model, point, head_permutation))
+    return permutations
 
 
 # ----------------------------------------------------------------------------- the entry point
 def group_heads(model, tp: int, sync_point: str, calibration_ids, *, window: int = 128, batch_size: int = 8,
-                max_windows: int | None = None) -> HeadGrouping:
+                max_windows: int | None = None, apply: bool = True) -> HeadGrouping:
     """Choose the head-to-rank assignment of the block ``sync_point`` reduces that minimises its
-    SPD error at ``tp`` on ``calibration_ids`` (1-D token ids, cut into windows) and apply it to
-    ``model``'s weights in place (module docstring). Returns what was chosen and the calibration
-    error before and after."""
+    SPD error at ``tp`` on ``calibration_ids`` (1-D token ids, cut into windows) and, with
+    ``apply``, apply it to ``model``'s weights in place (module docstring). ``apply=False`` leaves
+    the model as it is: pass the result to ``Plan(head_permutations=...)``, which applies it on the
+    way to the ranks (in memory or from the unpermuted checkpoint). Returns what was chosen and
+    the calibration error before and after."""
     if tp < 2:
         raise PlanError(f"head grouping needs tp >= 2 (at tp={tp} nothing is dropped)")
     kind, path, module = _block(model, sync_point)
@@ -327,7 +394,8 @@ def group_heads(model, tp: int, sync_point: str, calibration_ids, *, window: int
     assignment, search = balanced_assignment(gram, tp)
     unit_order = [u for group in assignment for u in group]
     head_permutation = [u * per_unit + k for u in unit_order for k in range(per_unit)]
-    permute_heads(model, sync_point, head_permutation)
+    if apply:
+        permute_heads(model, sync_point, head_permutation)
     return HeadGrouping(sync_point=sync_point, kind=kind, module=path, tp=tp, unit=unit, heads_per_unit=per_unit,
                         assignment=assignment, head_permutation=head_permutation, search=search,
                         error_before=spd_error(gram, before), error_after=spd_error(gram, assignment), tokens=tokens)

@@ -96,11 +96,13 @@ def sharding_report(program, *, weights: bool = True, activations: bool = False)
     lines.append(f"{len(points)} sync points, {_bytes(_total(kept))} bytes per token in all "
                  f"(each rank's operand){_actions(points)}:")
     lines.append(_totals(points))
+    permuted = set(shard.get("head_permutations", ()))  # sync points whose block's heads the plan re-orders
     for i, p in enumerate(points):
         layer = "-" if p.layer is None else p.layer
+        notes = ([] if p.action == "kept" else [p.action]) + (["heads permuted"] if p.name in permuted else [])
         lines.append(f"  #{i:<3} {p.kind:<14} layer {layer:<3} {p.block:<9} after {p.role:<10} "
                      f"{p.dtype:<8} {_bytes(p.bytes_per_token):>7} B/token  {p.name}"
-                     + ("" if p.action == "kept" else f"  [{p.action}]"))
+                     + (f"  [{', '.join(notes)}]" if notes else ""))
     if activations:
         lines.append(f"{'node':<40} {'op':<28} {'layer':>5} {'block':<9} {'role':<12} {'placement':<24} local shape")
         for node in program.graph.nodes:

@@ -72,6 +72,14 @@ class Plan:
     dropping sync points that nothing repairs later (Mamba-1's ``x_proj``). At tp=1 there are
     no sync points and the drop set is not applied.
 
+    ``head_permutations``: head grouping carried by the plan (docs/spd.md): ``{sync point name:
+    head permutation}`` (new head j of the block that sync point reduces is original head
+    ``permutation[j]``), or what ``head_grouping.group_heads`` returns (a ``HeadGrouping``, its
+    ``as_dict()``, a list of them). The re-ordering is applied on the way to the ranks (each
+    rank's slices, from the model in memory or the unpermuted checkpoint); the model is not
+    changed. Without a drop at that sync point it changes no value (only which heads each rank
+    holds). Stored as the JSON-serialisable ``{name: [head, ...]}``.
+
     ``tsp``: tensor and sequence parallelism on one axis of ``tsp`` ranks (docs/tsp.md): each rank
     holds ``1/tsp`` of every sharded weight (the layout ``tp=tsp`` gives) and ``1/tsp`` of the
     tokens of every forward program (scoring, training); weights are gathered where they are
@@ -105,6 +113,7 @@ class Plan:
     allreduce_max_bytes: int = 256 * 1024
     drop_syncs: list = dataclasses.field(default_factory=list)
     allow_approximate: bool = False
+    head_permutations: object = None
     tsp: int = 1
     # Optimisation passes to leave out (``OPTIONAL_PASSES``): to compare against, or to rule one out
     # when a program misbehaves. The sharding and sync-point passes are the plan itself.
@@ -115,6 +124,10 @@ class Plan:
             raise PlanError(f"tp must be a positive integer, got {self.tp!r}")
         if not isinstance(self.tsp, int) or self.tsp < 1:
             raise PlanError(f"tsp must be a positive integer, got {self.tsp!r}")
+        from .head_grouping import normalize_head_permutations
+
+        self.head_permutations = normalize_head_permutations(self.head_permutations, self.tsp if self.tsp > 1
+                                                             else self.tp)
         if self.tsp > 1:
             self._check_tsp()
         if self.kernels not in ("auto", "triton", "reference"):
@@ -149,7 +162,8 @@ class Plan:
         conflicts = [name for name, on in (("sequence_parallel", self.sequence_parallel),
                                            ("policy", self.policy is not None),
                                            ("quantize_syncs", self.quantize_syncs is not None),
-                                           ("drop_syncs", bool(self.drop_syncs))) if on]
+                                           ("drop_syncs", bool(self.drop_syncs)),
+                                           ("head_permutations", bool(self.head_permutations))) if on]
         if conflicts:
             raise PlanError(f"Plan(tsp=...) has no all-reduce sync points or reduce policy; remove "
                             f"{', '.join(conflicts)} (they apply to Plan(tp=...))")
@@ -257,6 +271,22 @@ class Plan:
         return {fqn: family.style(rule.style)(self.tp, fqn, spec, model)
                 for fqn, spec, _, rule, family in self._rules_by_weight(program)}
 
+    def weight_permutations(self, program, model) -> dict:
+        """The weights ``head_permutations`` re-order: FQN -> ``permutation.WeightPermutation``.
+        Raises PlanError before any distributed work (an unknown sync point, a block without heads
+        or shared by several layers, a list that is not a permutation of the block's heads or
+        that splits a unit, a weight the program does not read)."""
+        if not self.head_permutations:
+            return {}
+        from .head_grouping import plan_weight_permutations
+
+        permutations = plan_weight_permutations(model, self.head_permutations)
+        unread = sorted(set(permutations) - set(program.param_specs))
+        if unread:
+            raise PlanError(f"head_permutations re-order {unread[:3]}, which the captured program does not read "
+                            "under those names (tied or shared weights are not supported)")
+        return permutations
+
     def explain(self, program, model=None, *, syncs: bool = True, batch: int | None = None,
                 seq: int | None = None) -> str:
         """Which rule hit which weight, and the placement it gives (when ``model`` is given); with
@@ -266,8 +296,11 @@ class Plan:
         break-even token count and the residual stream per rank (``tsp_cost``)."""
         lines = [f"Plan(tp={self.tp}, vocab_parallel={self.vocab_parallel}"
                  + (f", drop_syncs={self.drop_syncs}" if self.drop_syncs else "")
+                 + (f", head_permutations at {list(self.head_permutations)}" if self.head_permutations else "")
                  + (f", quantize_syncs={self.quantize_syncs!r}" if self.quantize_syncs else "")
                  + f") on {program.family}:"]
+        if model is not None:
+            self.weight_permutations(program, model)  # a wrong head permutation is an error here too
         if self.tsp > 1:
             lines[0] = f"Plan(tsp={self.tsp}, vocab_parallel={self.vocab_parallel}) on {program.family}:"
         for fqn, spec, block, rule, family in self._rules_by_weight(program):

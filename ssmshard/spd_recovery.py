@@ -89,6 +89,11 @@ def recover(model, plan, calibration_ids, *, train, window: int = 128, batch_siz
 
     if plan.tp < 2 or not plan.drop_syncs:
         raise PlanError(f"recover needs a plan with tp >= 2 and drop_syncs (the SPD model to train), not {plan}")
+    if plan.head_permutations:  # the ranks' slices would be re-ordered ones, the full weights trained here not
+        raise PlanError("recover trains the model's own weights and puts the ranks' gradient slices back in their "
+                        "places, which a plan's head_permutations re-order: apply the grouping to the model first "
+                        "(head_grouping.permute_heads, or group_heads(..., apply=True)) and recover with the plan "
+                        "without head_permutations")
     names = trainable_names(model, train)
     params = dict(model.named_parameters())
     all_windows = cut_windows(calibration_ids, window)

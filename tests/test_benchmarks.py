@@ -107,6 +107,27 @@ def test_smoke_run_writes_json_and_plot(name, tmp_path):
     assert (tmp_path / png_name).exists() == HAVE_MATPLOTLIB, run.stdout[-2000:]
 
 
+@pytest.mark.slow  # two smoke runs
+def test_spd_recovery_saved_grouping_is_read_back_by_the_plan(tmp_path):
+    """--save-grouping writes the grouping --group-heads chose; --grouping reads it into the SPD plan
+    (the model untouched): exact TP under it is the exact model, SPD the grouped model's."""
+    results = []
+    for name, extra in (("chosen", ["--group-heads", "--save-grouping", str(tmp_path / "grouping.json")]),
+                        ("read", ["--grouping", str(tmp_path / "grouping.json")])):
+        run = subprocess.run([sys.executable, os.path.join(BENCH, "spd_recovery.py"), "--smoke", *extra,
+                              "--out", str(tmp_path / f"{name}.json")], env=_env(), cwd=tmp_path,
+                             capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        with open(tmp_path / f"{name}.json") as f:
+            results.append(json.load(f))
+    chosen, read = results
+    with open(tmp_path / "grouping.json") as f:
+        assert json.load(f) == [chosen["head_grouping"]] == read["head_grouping"]
+    assert abs(read["heldout"]["relative_change_vs_tp"]["tp_grouped"]) < 1e-5
+    spd = chosen["heldout"]["perplexity"]["spd_grouped"], read["heldout"]["perplexity"]["spd_grouped"]
+    assert abs(spd[0] - spd[1]) <= 1e-6 * spd[0], spd
+
+
 def test_decode_smoke_writes_rows_as_measured_and_plots(tmp_path):
     """decode_gpu.py --smoke on tiny Mamba-2: every kind of row (time to start, TPOT of ssmshard
     with its floor and of HF at each batch, TTFT beside the forward), then --plot's figure and table."""

@@ -33,7 +33,8 @@ import re
 import torch
 from safetensors import safe_open
 
-from ..placement import Shard, local_ranges, local_shape, local_slice
+from ..permutation import local_reads, permuted_local_slice
+from ..placement import local_shape
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -206,8 +207,13 @@ def recompute_buffer(model, fqn: str) -> torch.Tensor:
 
 
 def read_local_weights(program, placements, model, checkpoint: SafetensorsCheckpoint, keys: dict[str, str | None],
-                       rank: int, *, device, progress: bool = True) -> dict[str, torch.Tensor]:
-    """This rank's local tensor for every graph weight, reading only its own slices."""
+                       rank: int, *, device, progress: bool = True,
+                       permutations: dict | None = None) -> dict[str, torch.Tensor]:
+    """This rank's local tensor for every graph weight, reading only its own slices. A weight in
+    ``permutations`` (``plan.weight_permutations``: a head permutation the plan carries) gets the
+    rows of its slice in their permuted order, read from the unpermuted checkpoint
+    (``permutation.local_reads``)."""
+    permutations = permutations or {}
     from tqdm.auto import tqdm
 
     tensors = dict(model.named_parameters(remove_duplicate=False))
@@ -223,9 +229,10 @@ def read_local_weights(program, placements, model, checkpoint: SafetensorsCheckp
         # bytes buffer at an arbitrary alignment, where CPU matmul kernels round differently.
         local = torch.empty(local_shape(spec.shape, placement), dtype=spec.dtype, device=device)
         if keys[fqn] is not None:
-            sharded = isinstance(placement, Shard)
-            checkpoint.read_into(local, keys[fqn], placement.dim if sharded else None,
-                                 local_ranges(placement, rank) if sharded else None)
+            reads = local_reads(placement, rank, permutations.get(fqn))
+            checkpoint.read_into(local, keys[fqn], reads.dim, reads.ranges)
+            if reads.reorder is not None:  # the dimension it re-orders is whole on this rank
+                local.copy_(local.index_select(reads.reorder.dim, reads.reorder.index.to(local.device)))
         else:
             value = owner if owner is not None else program.constants.get(fqn)
             if value is None or value.device.type == "meta":
@@ -233,6 +240,6 @@ def read_local_weights(program, placements, model, checkpoint: SafetensorsCheckp
                     raise CheckpointError(f"constant {fqn!r} of the captured program is on the meta device; "
                                           "capture a model built on CPU")
                 value = recompute_buffer(model, fqn)
-            local.copy_(local_slice(value.detach(), placement, rank))
+            local.copy_(permuted_local_slice(value.detach(), placement, rank, permutations.get(fqn)))
         weights[fqn] = local.requires_grad_(requires_grad)
     return weights

@@ -13,6 +13,7 @@ from ..capture import capture
 from ..packing import PackedBatch
 from ..comm import all_reduce, register_group
 from ..families import build_meta_model, family_of
+from ..permutation import permuted_local_slice
 from ..placement import Shard, local_slice
 from ..plan import Plan, PlanError
 from .checkpoint import SafetensorsCheckpoint, match_checkpoint, read_local_weights
@@ -341,6 +342,7 @@ def parallelize(model, plan: Plan, *, group=None, device_mesh=None, checkpoint=N
     # Captured before any process-group work too: a model packing cannot serve fails here.
     packed_program = capture(model, mode="forward", packed=True) if packed else None
     placements = plan.layout(program, model)  # PlanError here, before any process-group work
+    permutations = plan.weight_permutations(program, model)  # likewise
     source = keys = None
     if checkpoint is not None:
         source = SafetensorsCheckpoint(checkpoint)
@@ -367,19 +369,21 @@ def parallelize(model, plan: Plan, *, group=None, device_mesh=None, checkpoint=N
                                packed_program=packed_program)
     if source is not None:
         weights = read_local_weights(program, placements, model, source, keys, rank, device=device,
-                                     progress=progress and rank == 0)
+                                     progress=progress and rank == 0, permutations=permutations)
         return module(program, weights)
-    return module(program, local_weights(program, placements, model, rank))
+    return module(program, local_weights(program, placements, model, rank, permutations))
 
 
-def local_weights(program, placements, model, rank: int) -> dict:
-    """Rank ``rank``'s slices of ``model``'s weights (fresh leaf tensors) for ``program``."""
+def local_weights(program, placements, model, rank: int, permutations=None) -> dict:
+    """Rank ``rank``'s slices of ``model``'s weights (fresh leaf tensors) for ``program``; a weight
+    in ``permutations`` (``plan.weight_permutations``) re-ordered on the way, ``model`` untouched."""
     named = dict(model.named_parameters(remove_duplicate=False))
     named.update(model.named_buffers(remove_duplicate=False))
+    permutations = permutations or {}
     weights = {}
     for fqn, spec in program.param_specs.items():
         full = named.get(fqn, program.constants.get(fqn))
-        local = _local_part(full.detach(), placements.get(fqn), rank)
+        local = permuted_local_slice(full.detach(), placements.get(fqn), rank, permutations.get(fqn))
         weights[fqn] = local.clone().requires_grad_(spec.kind == "parameter" and full.requires_grad)
     return weights
 

@@ -46,12 +46,13 @@ class SimulatedMesh:
         self.group = f"ssmshard_simulated{next(_mesh_ids)}"
         program = capture(model, mode="forward") if program is None else program
         placements = plan.layout(program, model)  # PlanError here, before any rank runs
+        permutations = plan.weight_permutations(program, model)  # likewise; the model is not changed
         kernels = plan.kernel_choice(next(model.parameters()).device)
         self.ranks: list[DistributedModule] = []
         for rank in range(plan.tp):
             options = {"rank": rank, "group": self.group, "kernels": kernels}
             local = shard_program(copy.deepcopy(program), model, plan, placements=placements, **options)
-            self.ranks.append(DistributedModule(local, local_weights(local, placements, model, rank), plan, rank,
+            self.ranks.append(DistributedModule(local, local_weights(local, placements, model, rank, permutations), plan, rank,
                                                 model=model, shard_options=options))
 
     @property
