@@ -369,7 +369,8 @@ VARIANT_STYLE = {"ssmshard": "C0", "hf": "C1", "hf_static_compiled": "C2"}
 
 def read_rows(folder):
     rows = []
-    for path in sorted(glob.glob(os.path.join(folder, "rows_rank*.jsonl"))):
+    # rows_rank0.jsonl, or several runs' rows beside each other (rows_<what>.jsonl)
+    for path in sorted(glob.glob(os.path.join(folder, "rows*.jsonl"))):
         with open(path) as f:
             rows += [json.loads(line) for line in f if line.strip()]
     return rows
@@ -415,9 +416,10 @@ def plot_model(folder, model, rows):
 
 
 def summary_table(rows):
-    env = next((r for r in rows if r["kind"] == "environment"), {})
-    lines = [f"Device: {env.get('device')}; copy bandwidth {fmt(env.get('copy_gb_s'))} GB/s; "
-             f"torch {env.get('torch')}, transformers {env.get('transformers')}\n",
+    lines = [f"Device: {env.get('device')}; copy bandwidth {env.get('copy_gb_s', 0) / 1e3:.2f} TB/s; "
+             f"torch {env.get('torch')}, transformers {env.get('transformers')}; models {', '.join(env.get('models', []))}"
+             for env in (r for r in rows if r["kind"] == "environment")]
+    lines += ["",
              "| model | batch | ssmshard TPOT ms | floor ms | ssmshard / floor | HF TPOT ms | HF static+compile ms |",
              "|---|---|---|---|---|---|---|"]
     tpot = {(r["model"], r["variant"], r["batch"]): r for r in rows if r["kind"] == "tpot"}
