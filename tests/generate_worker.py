@@ -114,27 +114,11 @@ def generate_results(rank, world, families, seed, out_path, argument_families=()
 _KEPT_ALIVE = []  # modules a worker leaves alive, as a user script's globals would be at its end
 
 
-def graphed_module_left_alive(rank, world, family, seed, out_path):
-    """Generates with a CUDA graph holding NCCL kernels and returns with the module still alive:
-    ``launch``'s teardown must release the graph, else destroying the process group waits forever."""
-    model = small_model(family).cuda()
-    try:
-        dm = ssmshard.parallelize(model, ssmshard.Plan(tp=world))
-        ids, mask = left_padded_prompts(model.config.vocab_size, (5, 12, 9), seed)
-        ids, mask = ids.cuda(), mask.cuda()
-        eager = dm.generate(ids, mask, max_new_tokens=8, pad_token_id=PAD, cuda_graph=False)
-        graphed = dm.generate(ids, mask, max_new_tokens=8, pad_token_id=PAD, cuda_graph=True)
-    finally:
-        model.cpu()
-    _KEPT_ALIVE.append(dm)
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump({"eager": eager.tolist(), "graphed": graphed.tolist()}, f)
-
-
-def graphed_vs_eager(rank, world, family, seed, out_path):
+def graphed_vs_eager(rank, world, family, seed, out_path, leave_alive=False):
     """Greedy tokens of eager and CUDA-graph decoding (twice: capture, then replay) on GPUs, and
-    HF's; then the graph replayed across a batch whose rows finish at different steps."""
+    HF's; then the graph replayed across a batch whose rows finish at different steps.
+    ``leave_alive``: return with the module (and its graphs) still alive, as a script's globals
+    are at its end: ``launch``'s teardown must release the graphs (NCCL's would wait forever)."""
     from finishing_rows import finishing_rows
 
     model = small_model(family).cuda()
@@ -149,6 +133,8 @@ def graphed_vs_eager(rank, world, family, seed, out_path):
                                                  do_sample=False))
         finishing = finishing_rows(lambda i, m, **options: dm.generate(i, m, cuda_graph=True, **options),
                                    model, ids, mask, PAD, reference=hf_reference)
+        if leave_alive:
+            _KEPT_ALIVE.append(dm)
     finally:
         model.cpu()  # the model object is shared by the tests of this process
     if rank == 0:
