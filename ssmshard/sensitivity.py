@@ -17,7 +17,11 @@ the later sync point first), measuring each prefix. ``report.choose(budget=0.01)
 largest drop set found within the budget (the longest greedy prefix within it, then every
 other candidate added in one-at-a-time order and kept when the measured set stays within it)
 and measures the chosen set once more on the calibration data; from a report read back from
-JSON (no model) it picks from the recorded measurements only.
+JSON (no model) it picks from the recorded measurements only. Calibration windows are few, so a
+set chosen right at the budget can exceed it on other text: ``choose(budget, validation_ids=...)``
+then measures the chosen set on separate windows (disjoint from the calibration text and from any
+held-out text the result is reported on) and takes back the last-chosen sync points one at a time
+until the increase there is within the budget too.
 
 Candidates: every all-reduce sync point of the forward program except statistics
 (``gate_norm``), those the plan already drops, the ``spd_flush`` a drop may add, and
@@ -68,6 +72,8 @@ class Choice:
     measured: Measurement | None  # None: picked from recorded measurements only
     budget: float
     plan: object = None  # the base plan with these drops (None when read from JSON)
+    validated: Measurement | None = None  # the final set on the validation windows, where given
+    taken_back: list[str] = dataclasses.field(default_factory=list)  # chosen on calibration, over budget on validation
 
 
 class SensitivityReport:
@@ -80,7 +86,7 @@ class SensitivityReport:
         self.greedy: list[Measurement] = greedy
         self.base_drop_syncs = list(base_drop_syncs)
         self.windows, self.window = windows, window
-        self._measure = measure  # drop set -> Measurement (absent after load)
+        self._measure = measure  # (drop set[, token stream]) -> Measurement (absent after load)
         self._plan = plan
 
     @property
@@ -93,10 +99,14 @@ class SensitivityReport:
             out[point.cls].append(point.name)
         return out
 
-    def choose(self, budget: float = 0.01) -> Choice:
-        """The largest drop set found whose perplexity increase stays within ``budget``."""
+    def choose(self, budget: float = 0.01, *, validation_ids=None) -> Choice:
+        """The largest drop set found whose perplexity increase stays within ``budget``; with
+        ``validation_ids`` (a 1-D token stream, disjoint from the calibration text) also within
+        it on those windows (module docstring)."""
         if budget < 0:
             raise ValueError(f"budget is a relative perplexity increase (0.01 = 1%), not {budget}")
+        if validation_ids is not None and self._measure is None:
+            raise ValueError("validation needs the model: a report read back from JSON picks from its records only")
         within = [m for m in self.greedy if m.increase <= budget]
         chosen = list(within[-1].drop_syncs) if within else []
         if self._measure is None:
@@ -111,8 +121,17 @@ class SensitivityReport:
         if measured.increase > budget:
             raise RuntimeError(f"the chosen drop set measured {measured.increase:.4%} above the budget {budget:.4%}"
                                " although each step stayed within it")
+        validated, taken_back = None, []
+        if validation_ids is not None:
+            validated = self._measure(chosen, validation_ids)
+            while chosen and validated.increase > budget:
+                taken_back.insert(0, chosen.pop())
+                validated = self._measure(chosen, validation_ids)
+            if taken_back:
+                measured = self._measure(chosen)
         plan = dataclasses.replace(self._plan, drop_syncs=self.base_drop_syncs + chosen) if self._plan else None
-        return Choice(drop_syncs=chosen, measured=measured, budget=budget, plan=plan)
+        return Choice(drop_syncs=chosen, measured=measured, budget=budget, plan=plan, validated=validated,
+                      taken_back=taken_back)
 
     # ------------------------------------------------------------- output
     def as_dict(self) -> dict:
@@ -243,21 +262,30 @@ def sensitivity(model, plan, calibration_ids, *, window: int = 128, batch_size: 
         raise PlanError(f"no sync point of this model can be dropped under {plan}")
     score = dict(window=window, batch_size=batch_size, max_windows=max_windows)
 
-    exact_logprobs = []
+    exact_cache = {}  # id of a token stream -> (its exact perplexity, per-batch log-probabilities)
 
-    def exact_fn(ids):
-        logits = model(ids).logits
-        exact_logprobs.append(F.log_softmax(logits[:, :-1].float(), -1))
-        return logits
+    def exact_of(ids):
+        if id(ids) not in exact_cache:
+            logprobs = []
 
-    with torch.no_grad():
-        exact = perplexity(exact_fn, calibration_ids, **score)
+            def exact_fn(batch):
+                logits = model(batch).logits
+                logprobs.append(F.log_softmax(logits[:, :-1].float(), -1))
+                return logits
 
-    def measure(drop: list[str]) -> Measurement:
+            with torch.no_grad():
+                exact_cache[id(ids)] = (perplexity(exact_fn, ids, **score), logprobs, ids)
+        return exact_cache[id(ids)][:2]
+
+    exact, _ = exact_of(calibration_ids)
+
+    def measure(drop: list[str], ids=calibration_ids) -> Measurement:
+        """The drop set's perplexity increase and KL against the exact model on ``ids``' windows."""
+        reference_ppl, reference_logprobs = exact_of(ids)
         mesh = SimulatedMesh(model, dataclasses.replace(plan, drop_syncs=list(plan.drop_syncs) + list(drop)),
                              program=program)
         kl = [0.0]
-        batch = iter(exact_logprobs)
+        batch = iter(reference_logprobs)
 
         def scored(ids):
             logits = mesh(ids)
@@ -267,9 +295,9 @@ def sensitivity(model, plan, calibration_ids, *, window: int = 128, batch_size: 
             return logits
 
         with torch.no_grad():
-            result = perplexity(scored, calibration_ids, **score)
+            result = perplexity(scored, ids, **score)
         return Measurement(drop_syncs=list(drop), perplexity=result.perplexity,
-                           increase=result.perplexity / exact.perplexity - 1, kl=kl[0] / result.predictions)
+                           increase=result.perplexity / reference_ppl.perplexity - 1, kl=kl[0] / result.predictions)
 
     order = greedy_order(points)
     bar = _Progress(len(points) + (len(order) - 1 if greedy else 0), progress)

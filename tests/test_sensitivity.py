@@ -60,6 +60,49 @@ def test_choose_stays_within_the_budget_measured_independently(calibrated, quant
     assert len(choice.drop_syncs) >= (len(prefix[-1].drop_syncs) if prefix else 0)
 
 
+def test_validation_keeps_the_chosen_set_within_the_budget_on_other_text(calibrated):
+    """``choose(validation_ids=...)``: the final set's increase on the validation windows,
+    measured here against the unsharded model, is within the budget (and equals what the choice
+    reports); every sync point taken back was among the calibration choice's last ones."""
+    model, ids, report = calibrated
+    other = torch.randint(0, model.config.vocab_size, (4 * 16,), generator=torch.Generator().manual_seed(11))
+    budget = sorted(max(p.increase, 0.0) for p in report.points)[-2]
+    plain = report.choose(budget=budget)
+    choice = report.choose(budget=budget, validation_ids=other)
+    assert plain.drop_syncs == choice.drop_syncs + choice.taken_back  # taken back from the end
+    exact = perplexity(lambda x: model(x).logits, other, window=16).perplexity
+    with torch.no_grad():
+        measured = perplexity(ssmshard.SimulatedMesh(model, choice.plan), other, window=16).perplexity
+    assert measured / exact - 1 <= budget + 1e-6
+    assert abs(measured - choice.validated.perplexity) <= 1e-6 * measured
+    assert choice.validated.drop_syncs == choice.drop_syncs == choice.measured.drop_syncs
+
+
+def test_validation_takes_back_the_last_chosen_sync_points():
+    """The take-back rule on recorded increases: calibration within the budget for every set,
+    validation over it for sets of more than one sync point."""
+    from ssmshard.sensitivity import Measurement, SyncSensitivity
+
+    names = ["layers.1.down_proj", "layers.1.o_proj", "layers.0.down_proj"]
+    calibration, validation = object(), object()
+
+    def measure(drop, ids=calibration):
+        increase = 0.001 * len(drop) if ids is calibration else (0.0 if len(drop) <= 1 else 0.5)
+        return Measurement(list(drop), 10 * (1 + increase), increase, 0.0)
+
+    points = [SyncSensitivity(name=n, layer=1, block="b", role="o_proj", bytes_per_token=1, perplexity=10.01,
+                              increase=0.001, kl=0.0, cls="ISB") for n in names]
+    greedy = [measure(names[:k]) for k in range(1, 4)]
+    report = SensitivityReport(tp=2, exact_perplexity=10.0, thresholds=(0.01, 0.05), points=points, greedy=greedy,
+                               measure=measure)
+    choice = report.choose(budget=0.01, validation_ids=validation)
+    assert choice.drop_syncs == names[:1] and choice.taken_back == names[1:]
+    assert choice.validated.increase == 0.0 and choice.measured.drop_syncs == names[:1]
+    with pytest.raises(ValueError, match="read back from JSON"):
+        SensitivityReport(tp=2, exact_perplexity=10.0, thresholds=(0.01, 0.05), points=points,
+                          greedy=greedy).choose(budget=0.01, validation_ids=validation)
+
+
 def test_json_plot_and_choose_from_records(calibrated, tmp_path):
     _, _, report = calibrated
     report.save(tmp_path / "s.json")
