@@ -39,6 +39,27 @@ def test_tsp_equals_eager_and_unsharded_gradients(world, tmp_path, fresh_seed):
             assert r["worst_tensor_grad_err"] < 1e-4, (where, r)
 
 
+@pytest.mark.parametrize("world,cases,lengths", [
+    (2, [("zamba2", {})], [1, 5, 13]),
+    pytest.param(2, [("llama", {}), ("mamba2", {})], [1, 5, 13], marks=pytest.mark.slow),
+    pytest.param(3, [("zamba2", TP3["zamba2"])], [1, 7, 20], marks=pytest.mark.slow)])
+def test_tsp_zigzag_equals_eager_and_unsharded_gradients(world, cases, lengths, tmp_path, fresh_seed):
+    """``tsp_order="zigzag"`` (rank r holds chunks r and 2D-1-r of 2D): logits against HF eager and
+    each rank's gradients against the unsharded model's slices, as above. Lengths: 1 (one real
+    token), one not divisible by 2D with chunks of 2 tokens (shorter than the 3-token conv halo:
+    the halo spans chunks), and one with chunks at least as long as the halo (one shift per chunk;
+    the last rank's second chunk takes its halo from its own first)."""
+    out = tmp_path / "zigzag.json"
+    ssmshard.launch(tsp_worker.tsp_results, world, cases, lengths, fresh_seed, str(out), "zigzag")
+    for rank, results in enumerate(json.loads(out.read_text())):
+        assert [r["family"] for r in results] == [family for family, _ in cases]
+        for r in results:
+            where = f"{r['family']} tsp={world} zigzag rank {rank} (seed {fresh_seed})"
+            assert r["logits_err"] < 1e-5, (where, r)
+            assert r["grad_err"] < 1e-5, (where, r)
+            assert r["worst_tensor_grad_err"] < 1e-4, (where, r)
+
+
 def test_tsp_weight_shards_and_activation_memory(tmp_path):
     """Each rank holds its shard of every sharded weight (1/D of every segment cut D ways; a
     segment with fewer pieces, Mamba-2's B/C groups, 1/pieces), only the weights of the op at hand
@@ -125,6 +146,10 @@ def test_tsp_plan_errors_before_launch():
         ssmshard.Plan(tsp=2, kernels="triton")
     with pytest.raises(PlanError, match="tsp must be a positive integer"):
         ssmshard.Plan(tsp=0)
+    with pytest.raises(PlanError, match="tsp_order must be one of 'contiguous', 'zigzag', got 'ring'"):
+        ssmshard.Plan(tsp=2, tsp_order="ring")
+    with pytest.raises(PlanError, match="D > 1"):
+        ssmshard.Plan(tsp_order="zigzag")
     # D is checked against heads and groups by the layout, before any process group exists.
     model = small_model("mamba2")  # 8 heads, 2 groups
     with pytest.raises(PlanError):

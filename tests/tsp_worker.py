@@ -24,11 +24,11 @@ def _write_on_rank0(rank, results, out_path):
             json.dump(every_rank, f)
 
 
-def tsp_results(rank, world, cases, lengths, seed, out_path):
+def tsp_results(rank, world, cases, lengths, seed, out_path, order="contiguous"):
     results = []
     for family, overrides in cases:
         model = small_model(family, **overrides)
-        dm = ssmshard.parallelize(model, ssmshard.Plan(tsp=world))
+        dm = ssmshard.parallelize(model, ssmshard.Plan(tsp=world, tsp_order=order))
         gen = torch.Generator().manual_seed(seed)
         vocab = model.config.vocab_size
         errors = logits_errors(dm, model, lengths, gen)
