@@ -91,16 +91,18 @@ def test_tsp_weight_shards_and_activation_memory(tmp_path):
 GENERATE_FAST = ["zamba2"]
 
 
-@pytest.mark.parametrize("world,families", [
-    (2, GENERATE_FAST),
-    pytest.param(2, [f for f in SIX_FAMILIES if f not in GENERATE_FAST], marks=pytest.mark.slow),
-    pytest.param(3, SIX_FAMILIES, marks=pytest.mark.slow)])
-def test_tsp_prefill_then_greedy_generate_equals_hf(world, families, tmp_path, fresh_seed):
+@pytest.mark.parametrize("world,families,order", [
+    (2, GENERATE_FAST, "contiguous"),
+    pytest.param(2, [f for f in SIX_FAMILIES if f not in GENERATE_FAST], "contiguous", marks=pytest.mark.slow),
+    pytest.param(3, SIX_FAMILIES, "contiguous", marks=pytest.mark.slow),
+    # A zigzag plan's forward order; its prefill program keeps the contiguous order (docs/tsp.md).
+    pytest.param(2, GENERATE_FAST, "zigzag", marks=pytest.mark.slow)])
+def test_tsp_prefill_then_greedy_generate_equals_hf(world, families, order, tmp_path, fresh_seed):
     """Prefill with the prompt's tokens split over the ranks, then greedy decode (TP decode program
     over the same shards): HF's tokens, and the prefill's last-token logits within 1e-5."""
     cases = [(family, TP3[family] if world == 3 else {}) for family in families]
     out = tmp_path / "gen.json"
-    ssmshard.launch(tsp_worker.generate_results, world, cases, fresh_seed, str(out))
+    ssmshard.launch(tsp_worker.generate_results, world, cases, fresh_seed, str(out), order)
     for rank, results in enumerate(json.loads(out.read_text())):
         assert [r["family"] for r in results] == families
         for r in results:
@@ -150,6 +152,8 @@ def test_tsp_plan_errors_before_launch():
         ssmshard.Plan(tsp=2, tsp_order="ring")
     with pytest.raises(PlanError, match="D > 1"):
         ssmshard.Plan(tsp_order="zigzag")
+    with pytest.raises(PlanError, match="packed=True runs packed rows under Plan\\(tsp_order='contiguous'\\) only"):
+        ssmshard.parallelize(small_model("mamba2"), ssmshard.Plan(tsp=2, tsp_order="zigzag"), packed=True)
     # D is checked against heads and groups by the layout, before any process group exists.
     model = small_model("mamba2")  # 8 heads, 2 groups
     with pytest.raises(PlanError):

@@ -89,7 +89,7 @@ def memory_results(rank, world, cases, lengths, out_path):
     _write_on_rank0(rank, results, out_path)
 
 
-def generate_results(rank, world, cases, seed, out_path):
+def generate_results(rank, world, cases, seed, out_path, order="contiguous"):
     """Greedy generation of a TSP DistributedModule against HF's: the prompt is prefilled with its
     tokens split over the ranks (the TSP prefill program), decoded by the TP decode program over
     the same weight shards. Prompts: a left-padded batch (lengths 5, 12, 9) and an unpadded batch
@@ -103,7 +103,7 @@ def generate_results(rank, world, cases, seed, out_path):
     for family, overrides in cases:
         model = small_model(family, **overrides)
         vocab = model.config.vocab_size
-        dm = ssmshard.parallelize(model, ssmshard.Plan(tsp=world))
+        dm = ssmshard.parallelize(model, ssmshard.Plan(tsp=world, tsp_order=order))
         prefill, _ = dm.generation_programs()
         result = {"family": family, "sequence_sharded": isinstance(prefill, SequenceShardedPrefill)
                   and prefill.program.shard["policy"] == "tsp", "equal": [], "prefill_err": []}
