@@ -70,19 +70,28 @@ def _packed(length):
     return torch.tensor(sorted({0, c, c + 2, 2 * c, length}), dtype=torch.int32)
 
 
-@pytest.mark.parametrize("world,length", [(2, 7), (3, 13), (4, 5), (4, 14)])
-def test_sharded_causal_conv(world, length, fresh_seed):
+# Zigzag (``tsp_order="zigzag"``): rank r holds chunks r and 2D-1-r of 2D. Lengths not divisible by
+# 2D, chunks of 1-2 tokens (shorter than the conv's 3-token halo: the halo spans chunks and ranks)
+# and chunks at least as long as the halo (one shift per chunk; the last rank's second chunk takes
+# its halo from its own first).
+LAYOUTS = [(2, 7, "contiguous"), (3, 13, "contiguous"), (4, 5, "contiguous"), (4, 14, "contiguous"),
+           (2, 5, "zigzag"), (2, 13, "zigzag"), (3, 7, "zigzag"), (3, 20, "zigzag"), (4, 9, "zigzag")]
+
+
+@pytest.mark.parametrize("world,length,order", LAYOUTS)
+def test_sharded_causal_conv(world, length, order, fresh_seed):
     b, d, k = 2, 6, 4
     x = torch.randn(b, d, length)
     w, bias = torch.randn(d, k), torch.randn(d)
     _compare(lambda x, w, bias: torch.ops.ssmshard.causal_conv1d(x, w, bias, "silu"),
-             lambda x, w, bias, rank, group: sequence_blocks.causal_conv1d(x, w, bias, "silu", rank, group),
-             {"x": (x, -1)}, {"w": w, "bias": bias}, world, -1, fresh_seed)
+             lambda x, w, bias, rank, group: sequence_blocks.causal_conv1d(x, w, bias, "silu", rank, group,
+                                                                          order=order),
+             {"x": (x, -1)}, {"w": w, "bias": bias}, world, -1, fresh_seed, order)
 
 
-@pytest.mark.parametrize("world,length", [(2, 7), (3, 13), (4, 5), (4, 14)])
+@pytest.mark.parametrize("world,length,order", LAYOUTS)
 @pytest.mark.parametrize("groups", [1, 2])
-def test_sharded_selective_scan(world, length, groups, fresh_seed):
+def test_sharded_selective_scan(world, length, order, groups, fresh_seed):
     b, d, n = 2, 8, 4
     seq = {"u": (torch.randn(b, d, length), -1), "delta": (torch.randn(b, d, length) * 0.5, -1),
            "B": (torch.randn(b, groups, n, length), -1), "C": (torch.randn(b, groups, n, length), -1),
@@ -91,13 +100,13 @@ def test_sharded_selective_scan(world, length, groups, fresh_seed):
     _compare(lambda u, delta, A, B, C, D, z, bias: torch.ops.ssmshard.selective_scan(
                  u, delta, A, B, C, D, z, bias, True, None)[0],
              lambda u, delta, A, B, C, D, z, bias, rank, group: sequence_blocks.selective_scan(
-                 u, delta, A, B, C, D, z, bias, True, rank, group)[0],
-             seq, shared, world, -1, fresh_seed)
+                 u, delta, A, B, C, D, z, bias, True, rank, group, order=order)[0],
+             seq, shared, world, -1, fresh_seed, order)
 
 
-@pytest.mark.parametrize("world,length", [(2, 7), (3, 13), (4, 5), (4, 14)])
+@pytest.mark.parametrize("world,length,order", LAYOUTS)
 @pytest.mark.parametrize("groups", [1, 2])
-def test_sharded_ssd_scan(world, length, groups, fresh_seed):
+def test_sharded_ssd_scan(world, length, order, groups, fresh_seed):
     b, h, p, n = 2, 4, 3, 4
     seq = {"x": (torch.randn(b, length, h, p), 1), "dt": (torch.randn(b, length, h) * 0.5, 1),
            "B": (torch.randn(b, length, groups, n), 1), "C": (torch.randn(b, length, groups, n), 1)}
@@ -105,8 +114,8 @@ def test_sharded_ssd_scan(world, length, groups, fresh_seed):
     _compare(lambda x, dt, A, B, C, D, bias: torch.ops.ssmshard.ssd_scan(
                  x, dt, A, B, C, 4, D, bias, None, True, 0.0, float("inf"))[0],
              lambda x, dt, A, B, C, D, bias, rank, group: sequence_blocks.ssd_scan(
-                 x, dt, A, B, C, 4, D, bias, True, 0.0, float("inf"), rank, group)[0],
-             seq, shared, world, 1, fresh_seed)
+                 x, dt, A, B, C, 4, D, bias, True, 0.0, float("inf"), rank, group, order=order)[0],
+             seq, shared, world, 1, fresh_seed, order)
 
 
 @pytest.mark.parametrize("length", [12, 14])
@@ -169,66 +178,16 @@ def test_packed_state_passing_equals_each_sequence_alone(world, length, fresh_se
              seq, {"A": -torch.rand(h) - 0.1}, world, 1, fresh_seed)
 
 
-@pytest.mark.parametrize("world,length", [(2, 7), (4, 5)])
-def test_sharded_causal_attention(world, length, fresh_seed):
-    b, hq, hk, e = 2, 4, 2, 8
-    seq = {"q": (torch.randn(b, hq, length, e), 2), "k": (torch.randn(b, hk, length, e), 2),
-           "v": (torch.randn(b, hk, length, e), 2)}
-    _compare(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
-             lambda q, k, v, rank, group: sequence_blocks.causal_attention(q, k, v, rank, group, enable_gqa=True),
-             seq, {}, world, 2, fresh_seed)
-
-
-# Zigzag (``tsp_order="zigzag"``): rank r holds chunks r and 2D-1-r of 2D. Lengths not divisible by
-# 2D, chunks of 1-2 tokens (shorter than the conv's 3-token halo: the halo spans chunks and ranks)
-# and chunks at least as long as the halo (one shift per slot; the last rank's second chunk takes
-# its halo from its own first).
-ZIGZAG = [(2, 5), (2, 13), (3, 7), (3, 20), (4, 9)]
-
-
-@pytest.mark.parametrize("world,length", ZIGZAG)
-def test_zigzag_causal_conv(world, length, fresh_seed):
-    b, d, k = 2, 6, 4
-    x = torch.randn(b, d, length)
-    w, bias = torch.randn(d, k), torch.randn(d)
-    _compare(lambda x, w, bias: torch.ops.ssmshard.causal_conv1d(x, w, bias, "silu"),
-             lambda x, w, bias, rank, group: sequence_blocks.causal_conv1d(x, w, bias, "silu", rank, group,
-                                                                          order="zigzag"),
-             {"x": (x, -1)}, {"w": w, "bias": bias}, world, -1, fresh_seed, order="zigzag")
-
-
-@pytest.mark.parametrize("world,length", ZIGZAG)
-def test_zigzag_scans(world, length, fresh_seed):
-    """Both scans with two chunks per rank: the carried state follows the chunks in sequence order."""
-    b, d, n, h, p = 2, 8, 4, 4, 3
-    seq = {"u": (torch.randn(b, d, length), -1), "delta": (torch.randn(b, d, length) * 0.5, -1),
-           "B": (torch.randn(b, 2, n, length), -1), "C": (torch.randn(b, 2, n, length), -1),
-           "z": (torch.randn(b, d, length), -1)}
-    shared = {"A": -torch.rand(d, n) - 0.1, "D": torch.randn(d), "bias": torch.randn(d) * 0.1}
-    _compare(lambda u, delta, A, B, C, D, z, bias: torch.ops.ssmshard.selective_scan(
-                 u, delta, A, B, C, D, z, bias, True, None)[0],
-             lambda u, delta, A, B, C, D, z, bias, rank, group: sequence_blocks.selective_scan(
-                 u, delta, A, B, C, D, z, bias, True, rank, group, order="zigzag")[0],
-             seq, shared, world, -1, fresh_seed, order="zigzag")
-    seq = {"x": (torch.randn(b, length, h, p), 1), "dt": (torch.randn(b, length, h) * 0.5, 1),
-           "B": (torch.randn(b, length, 2, n), 1), "C": (torch.randn(b, length, 2, n), 1)}
-    shared = {"A": -torch.rand(h) - 0.1, "D": torch.randn(h), "bias": torch.randn(h) * 0.1}
-    _compare(lambda x, dt, A, B, C, D, bias: torch.ops.ssmshard.ssd_scan(
-                 x, dt, A, B, C, 4, D, bias, None, True, 0.0, float("inf"))[0],
-             lambda x, dt, A, B, C, D, bias, rank, group: sequence_blocks.ssd_scan(
-                 x, dt, A, B, C, 4, D, bias, True, 0.0, float("inf"), rank, group, order="zigzag")[0],
-             seq, shared, world, 1, fresh_seed, order="zigzag")
-
-
-@pytest.mark.parametrize("world,length", [(2, 7), (3, 20)])
-def test_zigzag_causal_attention(world, length, fresh_seed):
+@pytest.mark.parametrize("world,length,order", [(2, 7, "contiguous"), (4, 5, "contiguous"), (2, 7, "zigzag"),
+                                                (3, 20, "zigzag")])
+def test_sharded_causal_attention(world, length, order, fresh_seed):
     b, hq, hk, e = 2, 4, 2, 8
     seq = {"q": (torch.randn(b, hq, length, e), 2), "k": (torch.randn(b, hk, length, e), 2),
            "v": (torch.randn(b, hk, length, e), 2)}
     _compare(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
              lambda q, k, v, rank, group: sequence_blocks.causal_attention(q, k, v, rank, group, enable_gqa=True,
-                                                                           order="zigzag"),
-             seq, {}, world, 2, fresh_seed, order="zigzag")
+                                                                           order=order),
+             seq, {}, world, 2, fresh_seed, order)
 
 
 def test_zigzag_refuses_packed_rows():
