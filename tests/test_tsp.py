@@ -32,6 +32,12 @@ def test_tsp_equals_eager_and_unsharded_gradients(world, tmp_path, fresh_seed):
 
 
 def _check_logits_and_gradients(world, cases, lengths, order, tmp_path, seed):
+    """Per tensor 1e-4, not 1e-5: at D = 3 a slice of a Mamba-2 ``A_log`` gradient with a small norm
+    (1.37 where others reach 170: its tokens' contributions cancel) reached 1.37e-4 under zigzag
+    and another 1.50e-4 contiguous, with seed 3298735629 (zamba2, TP3 config), where HF's own fp32
+    gradient of that slice differs from its fp64 one by 4.5e-5 (ours: 1.28e-4): fp32 rounding of
+    a cancelling sum that TSP adds up in another order, while the whole-vector error stayed at
+    5.7e-6. Such a seed fails this check in either order."""
     out = tmp_path / "tsp.json"
     ssmshard.launch(tsp_worker.tsp_results, world, cases, lengths, seed, str(out), order)
     for rank, results in enumerate(json.loads(out.read_text())):
