@@ -22,6 +22,7 @@ import logging
 import torch
 
 from .placement import REPLICATE, Placement
+from .token_layout import ORDERS as TSP_ORDERS
 
 
 # Passes a plan runs only to make its programs faster; ``Plan(skip_passes=[...])`` leaves them out.
@@ -86,6 +87,10 @@ class Plan:
     read, states and halos pass between ranks along the sequence. ``tp`` is set to ``tsp``.
     Generation prefills with a TSP program and decodes with the tensor-parallel program over the
     same shards (the prefill's states re-laid into TP's channel-sharded layout).
+    ``tsp_order``: which tokens a rank holds in forward programs: ``"contiguous"`` (rank ``r`` holds
+    chunk ``r`` of ``tsp``) or ``"zigzag"`` (chunks ``r`` and ``2 tsp - 1 - r`` of ``2 tsp``, so
+    causal attention gives every rank the same work; unpacked forward programs, prefill keeps the
+    contiguous order: docs/tsp.md).
 
     ``skip_passes``: optimisation passes (``OPTIONAL_PASSES``) to leave out of every program, to
     measure what they bring or to rule one out; the results do not change, only the speed. They
@@ -115,6 +120,7 @@ class Plan:
     allow_approximate: bool = False
     head_permutations: object = None
     tsp: int = 1
+    tsp_order: str = "contiguous"
     # Optimisation passes to leave out (``OPTIONAL_PASSES``): to compare against, or to rule one out
     # when a program misbehaves. The sharding and sync-point passes are the plan itself.
     skip_passes: list = dataclasses.field(default_factory=list)
@@ -128,6 +134,11 @@ class Plan:
 
         self.head_permutations = normalize_head_permutations(self.head_permutations, self.tsp if self.tsp > 1
                                                              else self.tp)
+        if self.tsp_order not in TSP_ORDERS:
+            raise PlanError(f"tsp_order must be one of {', '.join(map(repr, TSP_ORDERS))}, got {self.tsp_order!r}")
+        if self.tsp_order != "contiguous" and self.tsp == 1:
+            raise PlanError(f"tsp_order={self.tsp_order!r} orders the tokens of Plan(tsp=D) with D > 1; set tsp "
+                            "or leave tsp_order out")
         if self.tsp > 1:
             self._check_tsp()
         if self.kernels not in ("auto", "triton", "reference"):
@@ -197,7 +208,9 @@ class Plan:
         if sequence_sharded and (self.tsp == 1 or mode != "prefill"):
             raise PlanError(f"a sequence-sharded {mode} program needs Plan(tsp=...) and a prefill program")
         if self.tsp > 1 and (mode == "forward" or sequence_sharded):
-            return self._tsp_pipeline(placements=placements, rank=rank, group=group)
+            # A sequence-sharded prefill keeps the contiguous order: its states end on the last rank.
+            order = self.tsp_order if mode == "forward" else "contiguous"
+            return self._tsp_pipeline(placements=placements, rank=rank, group=group, order=order)
         options = {"placements": placements, "rank": rank, "tp": self.tp, "group": group,
                    "training": self.training, "policy": self.policy_for(mode),
                    "input_placements": input_placements or {}}
@@ -226,12 +239,12 @@ class Plan:
             steps.append("fold_weights")
         return steps
 
-    def _tsp_pipeline(self, *, placements, rank: int, group: str) -> list:
+    def _tsp_pipeline(self, *, placements, rank: int, group: str, order: str) -> list:
         """A forward (or sequence-sharded prefill) program under TSP. Decode and chunk programs of
         a TSP plan are the plain tensor-parallel ones over the same weight shards (the layouts are
         the same by construction): docs/tsp.md."""
         return [("tsp", {"placements": placements, "rank": rank, "tsp": self.tsp, "group": group,
-                         "training": self.training})]
+                         "training": self.training, "order": order})]
 
     def kernel_choice(self, device: torch.device) -> str:
         """"triton" or "reference" for weights on ``device``; Triton needs CUDA tensors."""
@@ -302,7 +315,8 @@ class Plan:
         if model is not None:
             self.weight_permutations(program, model)  # a wrong head permutation is an error here too
         if self.tsp > 1:
-            lines[0] = f"Plan(tsp={self.tsp}, vocab_parallel={self.vocab_parallel}) on {program.family}:"
+            lines[0] = (f"Plan(tsp={self.tsp}, tsp_order={self.tsp_order!r}, vocab_parallel={self.vocab_parallel}) "
+                        f"on {program.family}:")
         for fqn, spec, block, rule, family in self._rules_by_weight(program):
             where = f"block={block} role={spec.role}"
             placement = ""

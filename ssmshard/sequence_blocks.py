@@ -1,18 +1,21 @@
-"""What a rank holding one contiguous chunk of the sequence needs from the ranks before it.
+"""What a rank holding chunks of the sequence needs from the ranks holding the chunks before.
 
 Under ``Plan(tsp=D)`` rank ``r`` holds tokens ``[r * c, (r + 1) * c)`` of a sequence padded with
-zeros at its end to ``D * c`` tokens (``c = ceil(L / D)``, as ``comm.split`` cuts it). Every
-function here runs on one rank's chunk, is differentiable (its collectives are the autograd
-ops of ``comm.ops``) and equals the same computation over the whole sequence, restricted to the
-chunk (docs/tsp.md):
+zeros at its end to ``D * c`` tokens (``c = ceil(L / D)``, as ``comm.split`` cuts it); under
+``tsp_order="zigzag"`` it holds two chunks of ``c = ceil(L / 2D)`` tokens, ``r`` and ``2D - 1 - r``
+(``token_layout``: every function takes the ``order``). Every function here runs on one rank's
+local tokens, is differentiable (its collectives are the autograd ops of ``comm.ops``) and
+equals the same computation over the whole sequence, restricted to those tokens (docs/tsp.md).
+A rank holding two chunks runs the SSM blocks on them as two batch rows, each taking its halo
+and its carried state from the chunk before it in sequence order:
 
 * ``causal_conv1d``: the depthwise causal conv reads the ``k - 1`` tokens before the chunk (a
-  *halo*): one ``shift`` from the previous rank when ``c >= k - 1``, else the chunks' tails
-  all-gathered (a halo that spans several ranks).
+  *halo*): one ``shift`` per slot from the rank holding the chunk before when ``c >= k - 1``, else
+  every rank's chunks all-gathered (a halo that spans several chunks).
 * ``selective_scan`` / ``ssd_scan``: each rank scans its chunk from a zero state, returning its
   final state ``h_r`` and its total decay ``a_r`` (the product of its steps' decays); an
   all-gather of ``(h, a)`` and a local fold ``h_in(r+1) = a_r * h_in(r) + h_r`` give each rank
-  its true initial state (an exclusive prefix over ranks); the chunk's outputs are then
+  its true initial state (an exclusive prefix over the chunks); the chunk's outputs are then
   corrected by ``C_t . decay(chunk start -> t) . h_in``, which costs one contraction instead of
   a second scan.
 * ``causal_attention``: the keys and values are all-gathered along the sequence; the mask
@@ -20,7 +23,7 @@ chunk (docs/tsp.md):
 
 Packed rows (``cu_seqlens``: global offsets over the whole row, batch 1) are supported by the
 conv, the scans and attention: no state, halo or key crosses a sequence start, also where the
-start falls on a rank boundary.
+start falls on a rank boundary (contiguous order only).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from torch import Tensor
 from .comm.ops import all_gather, all_gather_partial_grad, shift
 from .comm.groups import world_of
 from .kernels.reference import _discretise_dt
+from .token_layout import TokenLayout
 
 
 def local_cu_seqlens(cu_seqlens: Tensor, start: int, length: int) -> Tensor:
@@ -72,58 +76,116 @@ def _reached_by_carry(cu_seqlens: Optional[Tensor], start: int, length: int, dev
     return (upto == before).float()
 
 
+def _layout(rank: int, group: str, order: str, cu_seqlens: Optional[Tensor]) -> TokenLayout:
+    layout = TokenLayout(rank, world_of(group), order)
+    if cu_seqlens is not None and layout.slots > 1:
+        raise ValueError(f"packed rows (cu_seqlens) run under tsp_order='contiguous' only, not {order!r}")
+    return layout
+
+
+def _chunks_as_batch(t: Optional[Tensor], dim: int, slots: int) -> Optional[Tensor]:
+    """(b, ..., slots * c, ...) -> (b * slots, ..., c, ...): a rank's chunks as batch rows (each
+    chunk is scanned or convolved on its own; they are not neighbours in the sequence)."""
+    if t is None or slots == 1:
+        return t
+    dim %= t.dim()
+    return t.unflatten(dim, (slots, -1)).movedim(dim, 1).flatten(0, 1)
+
+
+def _batch_as_chunks(t: Tensor, dim: int, slots: int) -> Tensor:
+    """The inverse of ``_chunks_as_batch`` (``dim``: the token dim of ``t``)."""
+    if slots == 1:
+        return t
+    dim %= t.dim()
+    return t.unflatten(0, (-1, slots)).movedim(1, dim).flatten(dim, dim + 1)
+
+
+def _last_chunk(t: Tensor, slots: int) -> Tensor:
+    """(b * slots, ...) -> (b, ...): the batch rows of the rank's last chunk in sequence order."""
+    return t if slots == 1 else t.unflatten(0, (-1, slots))[:, -1]
+
+
 # --------------------------------------------------------------------------- causal conv with a halo
-def conv_halo(x: Tensor, width: int, rank: int, group: str) -> Tensor:
-    """(b, d, width): the ``width`` tokens before this rank's chunk ``x`` (b, d, c), zeros before
-    the sequence start."""
-    c = x.shape[-1]
-    if c >= width:  # the whole halo lives on the previous rank: one point-to-point exchange
-        halo = shift(x[..., c - width:].contiguous(), group, 1)
-        return halo * (rank > 0)  # rank 0 received the last rank's tail (the ring wraps)
-    # A chunk shorter than the halo: every rank's whole chunk, in order, after `width` zeros.
-    tails = all_gather_partial_grad(x.contiguous(), -1, group)  # (b, d, world * c)
+def conv_halo(x: Tensor, width: int, rank: int, group: str, order: str = "contiguous") -> Tensor:
+    """(b, d, slots * width): per slot, the ``width`` tokens before that chunk of this rank's
+    tokens ``x`` (b, d, slots * c), zeros before the sequence start."""
+    layout = TokenLayout(rank, world_of(group), order)
+    c = layout.chunk_size(x.shape[-1])
+    if c >= width:  # each halo lives on one rank: one point-to-point exchange per slot
+        halos = []
+        for slot, (chunk, offset) in enumerate(zip(layout.held, layout.halo_offsets())):
+            received = shift(x[..., (slot + 1) * c - width:(slot + 1) * c].contiguous(), group, offset)
+            # Where the halo is not the received tail (the sequence start, or the chunk before is
+            # this rank's own), the received one still enters the graph, weighted zero: every rank
+            # must run the shift's backward (a collective).
+            if chunk == 0:
+                received = received * 0
+            elif layout.owner(chunk - 1)[0] == rank:
+                own = layout.owner(chunk - 1)[1]
+                received = received * 0 + x[..., (own + 1) * c - width:(own + 1) * c]
+            halos.append(received)
+        return torch.cat(halos, dim=-1)
+    # A chunk shorter than the halo: every chunk, in sequence order, after `width` zeros.
+    tails = layout.in_sequence_order(all_gather_partial_grad(x.contiguous(), -1, group), -1)
     padded = torch.cat([x.new_zeros(*x.shape[:-1], width), tails], dim=-1)
-    return padded.narrow(-1, rank * c, width)
+    return torch.cat([padded.narrow(-1, chunk * c, width) for chunk in layout.held], dim=-1)
 
 
 def causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: Optional[str], rank: int,
-                  group: str, cu_seqlens: Optional[Tensor] = None) -> Tensor:
-    """``ops.causal_conv1d`` of this rank's chunk ``x`` (b, d, c) of the whole sequence."""
+                  group: str, cu_seqlens: Optional[Tensor] = None, order: str = "contiguous") -> Tensor:
+    """``ops.causal_conv1d`` of this rank's tokens ``x`` (b, d, slots * c) of the whole sequence."""
     width = weight.shape[-1] - 1
     if width == 0:
         return torch.ops.ssmshard.causal_conv1d(x, weight, bias, activation)
+    slots = _layout(rank, group, order, cu_seqlens).slots
+    halos = conv_halo(x, width, rank, group, order)
+    x = _chunks_as_batch(x, -1, slots)
     c = x.shape[-1]
-    window = torch.cat([conv_halo(x, width, rank, group), x], dim=-1)  # (b, d, width + c)
+    window = torch.cat([_chunks_as_batch(halos, -1, slots), x], dim=-1)  # (b * slots, d, width + c)
     # Rank 0's halo lies before the row: the row's start at 0 cuts it off as a piece of its own.
     local_cu = None if cu_seqlens is None else local_cu_seqlens(cu_seqlens, rank * c - width, width + c)
     y = torch.ops.ssmshard.causal_conv1d(window, weight, bias, activation, local_cu)
-    return y[..., width:].contiguous()
+    return _batch_as_chunks(y[..., width:], -1, slots).contiguous()
 
 
 # --------------------------------------------------------------------------- state passing
-def exclusive_state_prefix(state: Tensor, decay: Tensor, rank: int, group: str) -> Tensor:
-    """The state entering this rank's chunk: ``sum_{s<r} (prod_{s<q<r} decay_q) * state_s``.
+def exclusive_state_prefix(state: Tensor, decay: Tensor, rank: int, group: str, order: str = "contiguous") -> Tensor:
+    """The state entering each of this rank's chunks ``v``: ``sum_{s<v} (prod_{s<q<v} decay_q) * state_s``
+    over the chunks ``s`` in sequence order.
 
-    ``state``: this chunk's final state from a zero start; ``decay``: its total decay
-    (broadcastable to ``state``). One all-gather of each, then a fold over the ranks before
-    this one (D - 1 multiply-adds of a state, cheaper than the D - 1 sequential hops of a ring).
+    ``state``: each chunk's final state from a zero start, (b * slots, ...) with the rank's chunks
+    as batch rows (``_chunks_as_batch``); ``decay``: its total decay (broadcastable to ``state``).
+    One all-gather of each, then a fold over the chunks before (multiply-adds of a state, cheaper
+    than the sequential hops of a ring).
     """
-    states = all_gather_partial_grad(state.unsqueeze(0).contiguous(), 0, group)  # (D, ...)
-    decays = all_gather_partial_grad(decay.unsqueeze(0).contiguous(), 0, group)
-    carried = torch.zeros_like(state)
-    for source in range(rank):
-        carried = decays[source] * carried + states[source]
+    layout = TokenLayout(rank, world_of(group), order)
+
+    def gathered(t):  # (chunks, b, ...) in sequence order
+        by_slot = t.unflatten(0, (-1, layout.slots)).movedim(1, 0).contiguous()  # (slots, b, ...)
+        return layout.in_sequence_order(all_gather_partial_grad(by_slot, 0, group), 0)
+
+    states, decays = gathered(state), gathered(decay)
     # Every rank must run the gathers' backward (a collective) even where it reads none of the
-    # gathered values (rank 0, and every rank's own and later slots): a zero-weighted use
-    # keeps them in the autograd graph.
-    unused = states[rank:].sum(0) + decays[rank:].sum(0)
-    return carried + 0.0 * unused
+    # gathered values (rank 0, and every chunk at or after its own): a zero-weighted use keeps
+    # them in the autograd graph.
+    unused = 0.0 * (states.sum(0) + decays.sum(0))
+    carried, entering = torch.zeros_like(states[0]), {}
+    for chunk in range(layout.chunks):
+        if chunk in layout.held:
+            entering[chunk] = carried + unused
+            if len(entering) == layout.slots:
+                break
+        carried = decays[chunk] * carried + states[chunk]
+    return torch.stack([entering[chunk] for chunk in layout.held], 1).flatten(0, 1)
 
 
 def selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus: bool, rank: int, group: str,
-                   cu_seqlens: Optional[Tensor] = None):
-    """``ops.selective_scan`` (Mamba-1) of this rank's chunk (b, d, c) of the whole sequence, from
-    a zero initial state at the sequence start. Returns (out, the state after this chunk)."""
+                   cu_seqlens: Optional[Tensor] = None, order: str = "contiguous"):
+    """``ops.selective_scan`` (Mamba-1) of this rank's tokens (b, d, slots * c) of the whole
+    sequence, from a zero initial state at the sequence start. Returns (out, the state after this
+    rank's last chunk)."""
+    slots = _layout(rank, group, order, cu_seqlens).slots
+    u, delta, B, C, z = (_chunks_as_batch(t, -1, slots) for t in (u, delta, B, C, z))
     bsz, d, c = u.shape
     local_cu = None if cu_seqlens is None else local_cu_seqlens(cu_seqlens, rank * c, c).to(torch.int32)
     y, local_state = torch.ops.ssmshard.selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, None,
@@ -135,20 +197,23 @@ def selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus: bool, ra
     if reached is not None:
         carry = carry * reached[:, None]
     decay = carry[:, :, -1]  # (b, d, n)
-    initial = exclusive_state_prefix(local_state, decay, rank, group)  # (b, d, n)
+    initial = exclusive_state_prefix(local_state, decay, rank, group, order)  # (b, d, n)
     Cg = C.float().unsqueeze(1) if C.dim() == 3 else C.float()  # (b, g, n, c)
     g = Cg.shape[1]
     Ch = Cg.repeat_interleave(d // g, dim=1)  # (b, d, n, c): channel i reads group i // (d / g)
     correction = torch.einsum("bdnc,bdcn,bdn->bdc", Ch, carry, initial)
     if z is not None:
         correction = correction * F.silu(z.float())
-    return y + correction, decay * initial + local_state
+    return _batch_as_chunks(y + correction, -1, slots), _last_chunk(decay * initial + local_state, slots)
 
 
 def ssd_scan(x, dt, A, B, C, chunk_size, D, dt_bias, dt_softplus: bool, dt_min: float, dt_max: float, rank: int,
-             group: str, cu_seqlens: Optional[Tensor] = None):
-    """``ops.ssd_scan`` (Mamba-2) of this rank's chunk (b, c, h, p) of the whole sequence, from a
-    zero initial state at the sequence start. Returns (out, the states after this chunk)."""
+             group: str, cu_seqlens: Optional[Tensor] = None, order: str = "contiguous"):
+    """``ops.ssd_scan`` (Mamba-2) of this rank's tokens (b, slots * c, h, p) of the whole sequence,
+    from a zero initial state at the sequence start. Returns (out, the states after this rank's
+    last chunk)."""
+    slots = _layout(rank, group, order, cu_seqlens).slots
+    x, dt, B, C = (_chunks_as_batch(t, 1, slots) for t in (x, dt, B, C))
     bsz, c, h, p = x.shape
     g = B.shape[-2]
     local_cu = None if cu_seqlens is None else local_cu_seqlens(cu_seqlens, rank * c, c).to(torch.int32)
@@ -160,19 +225,21 @@ def ssd_scan(x, dt, A, B, C, chunk_size, D, dt_bias, dt_softplus: bool, dt_min: 
     if reached is not None:
         carry = carry * reached[:, None]
     decay = carry[:, -1]  # (b, h)
-    initial = exclusive_state_prefix(local_state, decay[..., None, None], rank, group)  # (b, h, p, n)
+    initial = exclusive_state_prefix(local_state, decay[..., None, None], rank, group, order)  # (b, h, p, n)
     Ch = C.float().repeat_interleave(h // g, dim=2)  # (b, c, h, n): head i reads group i // (h / g)
     correction = torch.einsum("bchn,bch,bhpn->bchp", Ch, carry, initial)
-    return y + correction, decay[..., None, None] * initial + local_state
+    return (_batch_as_chunks(y + correction, 1, slots),
+            _last_chunk(decay[..., None, None] * initial + local_state, slots))
 
 
 # --------------------------------------------------------------------------- attention
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, rank: int, group: str, *, scale=None,
                      enable_gqa: bool = False, key_mask: Optional[Tensor] = None,
-                     cu_seqlens: Optional[Tensor] = None) -> Tensor:
-    """Causal ``scaled_dot_product_attention`` of this rank's queries (b, h, c, e) over every
-    rank's keys and values (all-gathered along the sequence; the padding past the sequence end
-    comes last, so causality already hides it from every real query).
+                     cu_seqlens: Optional[Tensor] = None, order: str = "contiguous") -> Tensor:
+    """Causal ``scaled_dot_product_attention`` of this rank's queries (b, h, slots * c, e) over every
+    rank's keys and values (all-gathered along the sequence, left in rank order: the mask compares
+    each query's and key's global position; the padding past the sequence end has the last
+    positions, so causality already hides it from every real query).
 
     ``key_mask``: this rank's chunk (b, c) of a prompt's attention mask (0 at padding, as HF's
     left-padded prompts have): no query sees a padding key, except a padding query its own key
@@ -181,12 +248,13 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, rank: int, group: str, *, 
     ``cu_seqlens``: a packed row's global offsets (batch 1): a query sees only the keys of its own
     sequence (the block-diagonal causal mask, by global position). The padding past the row's end
     counts as one more sequence, so a padding query still sees its own key."""
-    c = q.shape[-2]
-    keys = all_gather_partial_grad(k.contiguous(), -2, group)  # (b, hk, D * c, e)
+    layout = TokenLayout(rank, world_of(group), order)
+    c = layout.chunk_size(q.shape[-2])
+    keys = all_gather_partial_grad(k.contiguous(), -2, group)  # (b, hk, D * slots * c, e)
     values = all_gather_partial_grad(v.contiguous(), -2, group)
-    query_pos = torch.arange(c, device=q.device) + rank * c
-    key_pos = torch.arange(world_of(group) * c, device=q.device)
-    mask = key_pos[None, :] <= query_pos[:, None]  # (c, D * c)
+    query_pos = layout.positions(c, q.device)
+    key_pos = layout.gathered_positions(c, q.device)
+    mask = key_pos[None, :] <= query_pos[:, None]  # (slots * c, D * slots * c)
     if cu_seqlens is not None:
         starts = cu_seqlens.to(q.device)
         key_seq, query_seq = (torch.searchsorted(starts, pos.to(starts.dtype), right=True)

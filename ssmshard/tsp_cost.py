@@ -9,7 +9,8 @@ Counted from the programs themselves, per rank and per forward pass, bytes recei
 * TSP: ``(D-1)/D`` of every whole weight an op of the layer reads (each read is one gather), of
   the keys and values of each attention, plus per sequence the conv halo (``k - 1`` tokens) and
   the ``D - 1`` (state, decay) pairs each scan's all-gather brings, and the logits gathered along
-  the sequence.
+  the sequence. Under ``tsp_order="zigzag"`` a rank holds two chunks: two halos (one shift per
+  chunk) and ``2 (D - 1)`` (state, decay) pairs; keys, values and logits move the same bytes.
 
 The break-even is the number of tokens (batch x sequence) above which TSP moves fewer bytes: its
 weight traffic is fixed, TP's traffic grows with the tokens. Activations are reported as the
@@ -45,8 +46,9 @@ def _tp_traffic_per_token(program, model, plan_tp) -> dict:
     return per_layer
 
 
-def _tsp_traffic(program, placements, world: int) -> tuple[dict, dict, dict]:
-    """({layer: weight bytes gathered}, {layer: bytes per token}, {layer: bytes per sequence})."""
+def _tsp_traffic(program, placements, world: int, slots: int = 1) -> tuple[dict, dict, dict]:
+    """({layer: weight bytes gathered}, {layer: bytes per token}, {layer: bytes per sequence});
+    ``slots``: chunks per rank (``token_layout.TokenLayout.slots``), each with its own halo and state."""
     from .passes.shard import bytes_per_token, token_symbols
     from .placement import Shard
 
@@ -64,14 +66,14 @@ def _tsp_traffic(program, placements, world: int) -> tuple[dict, dict, dict]:
                 per_token[_layer_of(node)] += share * (bytes_per_token(kv.meta["val"], tokens) or 0)
         elif node.target is ssm.causal_conv1d.default:
             x, weight = node.args[0].meta["val"], node.args[1].meta["val"]
-            per_sequence[_layer_of(node)] += (weight.shape[-1] - 1) * x.shape[1] * x.element_size()
+            per_sequence[_layer_of(node)] += slots * (weight.shape[-1] - 1) * x.shape[1] * x.element_size()
         elif node.target in (ssm.selective_scan.default, ssm.ssd_scan.default):
             state = node.meta["val"][1][0]  # one sequence's: (d, n) for Mamba-1, (h, p, n) for Mamba-2
             # The all-gather of every rank's (state, total decay) brings D - 1 of each; the decay is
             # as big as the state for Mamba-1 (per channel and state dim), one value per head for
             # Mamba-2 (sequence_blocks.selective_scan / ssd_scan).
             decay = state.numel() if node.target is ssm.selective_scan.default else state.shape[0]
-            per_sequence[_layer_of(node)] += (world - 1) * (state.numel() + decay) * state.element_size()
+            per_sequence[_layer_of(node)] += slots * (world - 1) * (state.numel() + decay) * state.element_size()
         elif node.op == "output":  # the logits every rank returns whole: gathered along the sequence
             for value in node.all_input_nodes:
                 per_token[None] += share * (bytes_per_token(value.meta["val"], tokens) or 0)
@@ -92,17 +94,19 @@ def _hidden_bytes(program) -> int:
 def comparison(program, model, plan, batch: int, seq: int) -> str:
     """The per-layer table ``Plan.explain`` prints for a TSP plan (module docstring)."""
     from .plan import Plan
+    from .token_layout import TokenLayout
 
-    world = plan.tsp
+    world, slots = plan.tsp, TokenLayout(0, plan.tsp, plan.tsp_order).slots
     plan_tp = Plan(tp=world, vocab_parallel=plan.vocab_parallel, rules=list(plan.rules), kernels="reference")
     placements = plan_tp.layout(program, model)
     tp = _tp_traffic_per_token(program, model, plan_tp)
-    weights, per_token, per_sequence = _tsp_traffic(program, placements, world)
+    weights, per_token, per_sequence = _tsp_traffic(program, placements, world, slots)
     tokens = batch * seq
-    local_tokens = batch * -(-seq // world)
+    local_tokens = batch * slots * -(-seq // (world * slots))
     hidden = _hidden_bytes(program)
     layers = sorted({*tp, *weights, *per_token, *per_sequence}, key=lambda k: (k is None, k if k is not None else 0))
-    lines = [f"TP vs TSP over {world} ranks at batch {batch} x seq {seq} ({tokens} tokens), per rank per forward:",
+    lines = [f"TP vs TSP ({plan.tsp_order} tokens) over {world} ranks at batch {batch} x seq {seq} ({tokens} "
+             "tokens), per rank per forward:",
              f"  {'layer':<8} {'TP bytes':>14} {'TSP bytes':>14} {'break-even tokens':>18} "
              f"{'TP stream/layer':>16} {'TSP stream/layer':>17}"]
     totals = collections.Counter()
@@ -120,4 +124,20 @@ def comparison(program, model, plan, batch: int, seq: int) -> str:
     lines.append(f"  {'total':<8} {totals['tp']:>14,.0f} {totals['tsp']:>14,.0f} {even:>18}")
     lines.append("  weights per rank: the same under both (TSP gathers each whole weight only for the op that "
                  "reads it)")
+    if any(n.target is aten.scaled_dot_product_attention.default for n in program.graph.nodes):
+        lines.append(_attention_balance(world, plan.tsp_order, seq))
     return "\n".join(lines)
+
+
+def _attention_balance(world: int, order: str, seq: int) -> str:
+    """How evenly causal attention's (query, real key at or before it) pairs fall on the ranks
+    under this token order: each rank's count, and the busiest rank's against the mean."""
+    from .token_layout import TokenLayout
+
+    layouts = [TokenLayout(rank, world, order) for rank in range(world)]
+    chunk = -(-seq // layouts[0].chunks)
+    pairs = [sum(p + 1 for p in layout.positions(chunk).tolist() if p < seq) for layout in layouts]
+    mean = sum(pairs) / world
+    hint = "; tsp_order='zigzag' evens them out" if order == "contiguous" else ""
+    return (f"  causal attention (query, key) pairs per rank and sequence: {', '.join(f'{p:,}' for p in pairs)} "
+            f"(busiest {max(pairs) / mean:.2f}x the mean{hint})")

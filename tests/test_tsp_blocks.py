@@ -13,14 +13,27 @@ from ssmshard.testing import rel_err
 TOL = 1e-5
 
 
-def _chunk(t, dim, rank, world):
-    """Rank ``rank``'s chunk of ``t`` along ``dim``, padded with zeros as comm.split pads."""
-    c = -(-t.shape[dim] // world)
-    padded = F.pad(t, [0, 0] * (t.dim() - 1 - dim % t.dim()) + [0, world * c - t.shape[dim]])
-    return padded.narrow(dim, rank * c, c)
+def _chunk(t, dim, rank, world, order="contiguous"):
+    """Rank ``rank``'s tokens of ``t`` along ``dim``, padded with zeros at the end: chunk ``rank`` of
+    ``world`` (as comm.split pads), or under zigzag chunks ``rank`` and ``2 world - 1 - rank`` of
+    ``2 world``."""
+    chunks = world if order == "contiguous" else 2 * world
+    c = -(-t.shape[dim] // chunks)
+    padded = F.pad(t, [0, 0] * (t.dim() - 1 - dim % t.dim()) + [0, chunks * c - t.shape[dim]])
+    if order == "contiguous":
+        return padded.narrow(dim, rank * c, c)
+    return torch.cat([padded.narrow(dim, rank * c, c), padded.narrow(dim, (chunks - 1 - rank) * c, c)], dim)
 
 
-def _compare(full_fn, sharded_fn, sequence, shared, world, out_dim, seed):
+def _unchunk(pieces, dim, length, order="contiguous"):
+    """The whole sequence (first ``length`` tokens) from every rank's tokens, in rank order."""
+    if order == "zigzag":
+        firsts, seconds = zip(*(p.chunk(2, dim) for p in pieces))
+        pieces = [*firsts, *reversed(seconds)]
+    return torch.cat(pieces, dim).narrow(dim, 0, length)
+
+
+def _compare(full_fn, sharded_fn, sequence, shared, world, out_dim, seed, order="contiguous"):
     """``sequence``: {name: (tensor, seq dim)}; ``shared``: {name: tensor} held whole by every rank.
     Checks outputs and gradients (a random linear loss over the real tokens)."""
     gen = torch.Generator().manual_seed(seed)
@@ -31,20 +44,20 @@ def _compare(full_fn, sharded_fn, sequence, shared, world, out_dim, seed):
     (out * probe).sum().backward()
 
     def rank_fn(rank, world):
-        local = {k: _chunk(v, d, rank, world).detach().clone().requires_grad_(v.is_floating_point())
+        local = {k: _chunk(v, d, rank, world, order).detach().clone().requires_grad_(v.is_floating_point())
                  for k, (v, d) in sequence.items()}
         local.update({k: v.detach().clone().requires_grad_(True) for k, v in shared.items()})
         y = sharded_fn(rank=rank, group="tsp", **local)
-        (y * _chunk(probe, out_dim, rank, world)).sum().backward()
+        (y * _chunk(probe, out_dim, rank, world, order)).sum().backward()
         return y.detach(), {k: t.grad for k, t in local.items() if t.grad is not None}
 
     results = comm.run_simulated(rank_fn, world, group="tsp")
     length = out.shape[out_dim]
-    got = torch.cat([y for y, _ in results], out_dim).narrow(out_dim, 0, length)
+    got = _unchunk([y for y, _ in results], out_dim, length, order)
     assert rel_err(got, out.detach()) < TOL
     for name, (v, d) in sequence.items():
         if v.is_floating_point():
-            grad = torch.cat([g[name] for _, g in results], d).narrow(d, 0, v.shape[d])
+            grad = _unchunk([g[name] for _, g in results], d, v.shape[d], order)
             assert rel_err(grad, leaves[name].grad) < TOL, name
     for name in shared:
         grad = sum(g[name] for _, g in results)
@@ -57,19 +70,28 @@ def _packed(length):
     return torch.tensor(sorted({0, c, c + 2, 2 * c, length}), dtype=torch.int32)
 
 
-@pytest.mark.parametrize("world,length", [(2, 7), (3, 13), (4, 5), (4, 14)])
-def test_sharded_causal_conv(world, length, fresh_seed):
+# Zigzag (``tsp_order="zigzag"``): rank r holds chunks r and 2D-1-r of 2D. Lengths not divisible by
+# 2D, chunks of 1-2 tokens (shorter than the conv's 3-token halo: the halo spans chunks and ranks)
+# and chunks at least as long as the halo (one shift per chunk; the last rank's second chunk takes
+# its halo from its own first).
+LAYOUTS = [(2, 7, "contiguous"), (3, 13, "contiguous"), (4, 5, "contiguous"), (4, 14, "contiguous"),
+           (2, 5, "zigzag"), (2, 13, "zigzag"), (3, 7, "zigzag"), (3, 20, "zigzag"), (4, 9, "zigzag")]
+
+
+@pytest.mark.parametrize("world,length,order", LAYOUTS)
+def test_sharded_causal_conv(world, length, order, fresh_seed):
     b, d, k = 2, 6, 4
     x = torch.randn(b, d, length)
     w, bias = torch.randn(d, k), torch.randn(d)
     _compare(lambda x, w, bias: torch.ops.ssmshard.causal_conv1d(x, w, bias, "silu"),
-             lambda x, w, bias, rank, group: sequence_blocks.causal_conv1d(x, w, bias, "silu", rank, group),
-             {"x": (x, -1)}, {"w": w, "bias": bias}, world, -1, fresh_seed)
+             lambda x, w, bias, rank, group: sequence_blocks.causal_conv1d(x, w, bias, "silu", rank, group,
+                                                                          order=order),
+             {"x": (x, -1)}, {"w": w, "bias": bias}, world, -1, fresh_seed, order)
 
 
-@pytest.mark.parametrize("world,length", [(2, 7), (3, 13), (4, 5), (4, 14)])
+@pytest.mark.parametrize("world,length,order", LAYOUTS)
 @pytest.mark.parametrize("groups", [1, 2])
-def test_sharded_selective_scan(world, length, groups, fresh_seed):
+def test_sharded_selective_scan(world, length, order, groups, fresh_seed):
     b, d, n = 2, 8, 4
     seq = {"u": (torch.randn(b, d, length), -1), "delta": (torch.randn(b, d, length) * 0.5, -1),
            "B": (torch.randn(b, groups, n, length), -1), "C": (torch.randn(b, groups, n, length), -1),
@@ -78,13 +100,13 @@ def test_sharded_selective_scan(world, length, groups, fresh_seed):
     _compare(lambda u, delta, A, B, C, D, z, bias: torch.ops.ssmshard.selective_scan(
                  u, delta, A, B, C, D, z, bias, True, None)[0],
              lambda u, delta, A, B, C, D, z, bias, rank, group: sequence_blocks.selective_scan(
-                 u, delta, A, B, C, D, z, bias, True, rank, group)[0],
-             seq, shared, world, -1, fresh_seed)
+                 u, delta, A, B, C, D, z, bias, True, rank, group, order=order)[0],
+             seq, shared, world, -1, fresh_seed, order)
 
 
-@pytest.mark.parametrize("world,length", [(2, 7), (3, 13), (4, 5), (4, 14)])
+@pytest.mark.parametrize("world,length,order", LAYOUTS)
 @pytest.mark.parametrize("groups", [1, 2])
-def test_sharded_ssd_scan(world, length, groups, fresh_seed):
+def test_sharded_ssd_scan(world, length, order, groups, fresh_seed):
     b, h, p, n = 2, 4, 3, 4
     seq = {"x": (torch.randn(b, length, h, p), 1), "dt": (torch.randn(b, length, h) * 0.5, 1),
            "B": (torch.randn(b, length, groups, n), 1), "C": (torch.randn(b, length, groups, n), 1)}
@@ -92,8 +114,8 @@ def test_sharded_ssd_scan(world, length, groups, fresh_seed):
     _compare(lambda x, dt, A, B, C, D, bias: torch.ops.ssmshard.ssd_scan(
                  x, dt, A, B, C, 4, D, bias, None, True, 0.0, float("inf"))[0],
              lambda x, dt, A, B, C, D, bias, rank, group: sequence_blocks.ssd_scan(
-                 x, dt, A, B, C, 4, D, bias, True, 0.0, float("inf"), rank, group)[0],
-             seq, shared, world, 1, fresh_seed)
+                 x, dt, A, B, C, 4, D, bias, True, 0.0, float("inf"), rank, group, order=order)[0],
+             seq, shared, world, 1, fresh_seed, order)
 
 
 @pytest.mark.parametrize("length", [12, 14])
@@ -156,11 +178,20 @@ def test_packed_state_passing_equals_each_sequence_alone(world, length, fresh_se
              seq, {"A": -torch.rand(h) - 0.1}, world, 1, fresh_seed)
 
 
-@pytest.mark.parametrize("world,length", [(2, 7), (4, 5)])
-def test_sharded_causal_attention(world, length, fresh_seed):
+@pytest.mark.parametrize("world,length,order", [(2, 7, "contiguous"), (4, 5, "contiguous"), (2, 7, "zigzag"),
+                                                (3, 20, "zigzag")])
+def test_sharded_causal_attention(world, length, order, fresh_seed):
     b, hq, hk, e = 2, 4, 2, 8
     seq = {"q": (torch.randn(b, hq, length, e), 2), "k": (torch.randn(b, hk, length, e), 2),
            "v": (torch.randn(b, hk, length, e), 2)}
     _compare(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
-             lambda q, k, v, rank, group: sequence_blocks.causal_attention(q, k, v, rank, group, enable_gqa=True),
-             seq, {}, world, 2, fresh_seed)
+             lambda q, k, v, rank, group: sequence_blocks.causal_attention(q, k, v, rank, group, enable_gqa=True,
+                                                                           order=order),
+             seq, {}, world, 2, fresh_seed, order)
+
+
+def test_zigzag_refuses_packed_rows():
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="contiguous"):
+        comm.run_simulated(lambda rank, world: sequence_blocks.causal_conv1d(
+            torch.randn(1, 2, 4), torch.randn(2, 3), None, None, rank, "tsp", cu, order="zigzag"), 2, group="tsp")

@@ -85,14 +85,15 @@ class _ReceivedBytes(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("family", ["mamba2", "llama"])
-def test_explain_tsp_bytes_equal_the_collectives_measured(family):
+@pytest.mark.parametrize("family,order", [("mamba2", "contiguous"), ("llama", "contiguous"), ("mamba2", "zigzag")])
+def test_explain_tsp_bytes_equal_the_collectives_measured(family, order):
     """``plan.explain``'s TSP total (weights, halos, scan states, keys and values, logits) equals
     the bytes each rank's collectives receive in one forward pass, counted at run time (batch 2,
-    16 tokens: chunks of 8, so every halo comes by one shift)."""
+    16 tokens: chunks of 8, or of 4 under zigzag, so every halo comes by one shift)."""
     model = small_model(family)
     world, batch, seq = 2, 2, 16
-    mesh = ssmshard.SimulatedMesh(model, ssmshard.Plan(tsp=world))
+    plan = ssmshard.Plan(tsp=world, tsp_order=order)
+    mesh = ssmshard.SimulatedMesh(model, plan)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq))
 
     def received(dm):
@@ -102,6 +103,6 @@ def test_explain_tsp_bytes_equal_the_collectives_measured(family):
         return counter.total
 
     measured = mesh.run(received)
-    text = ssmshard.Plan(tsp=world).explain(capture(model, mode="forward"), model, batch=batch, seq=seq)
+    text = plan.explain(capture(model, mode="forward"), model, batch=batch, seq=seq)
     total = next(line for line in text[text.index("TP vs TSP"):].splitlines() if line.split()[:1] == ["total"])
     assert measured == [int(total.split()[2].replace(",", ""))] * world, (family, measured, total)

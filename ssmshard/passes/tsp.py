@@ -3,7 +3,8 @@ one axis of ``D`` ranks (``Plan(tsp=D)``, docs/tsp.md).
 
 Each rank keeps ``1/D`` of every sharded weight (the tensor-parallel layout ``Plan.layout``
 gives at ``tp=D``) and ``1/D`` of the tokens (a contiguous chunk, padded inside as
-``comm.split`` pads). The pass rewrites the unsharded captured graph:
+``comm.split`` pads; under ``order="zigzag"`` two chunks, ``token_layout``). The pass rewrites
+the unsharded captured graph:
 
 * the ids are split along the sequence right after the placeholder, and every use of the
   ids (and of their length) reads the local chunk: the whole program then runs on ``c`` local
@@ -11,22 +12,21 @@ gives at ``tp=D``) and ``1/D`` of the tokens (a contiguous chunk, padded inside 
 * every read of a sharded weight is preceded by ``comm.weights.gather_shards`` (the whole
   weight, in flight only for that op); a replicated parameter gets a ``tp_copy`` (its gradient
   sums over the ranks' tokens);
-* positions (``arange`` over the sequence length) are offset by the chunk's start, so rotary
-  embeddings see global positions;
+* positions (``arange`` over the sequence length) become the local tokens' global positions, so
+  rotary embeddings see them;
 * the ops that mix tokens become their ``sequence_blocks`` counterparts: the causal conv takes
   its halo from the previous rank, the scans pass states over ranks, attention gathers keys
   and values (causal by global position);
 * a packed program's ``cu_seqlens`` stays whole (global offsets) and reaches every conv, scan
   and attention, which keep sequences apart across the chunks;
-* the logits are all-gathered along the sequence (the padding dropped) before the output.
+* the logits are all-gathered along the sequence (put in sequence order, the padding dropped)
+  before the output.
 
 Placements stay on the nodes: ``SeqShard(d)`` where a value carries the local tokens along
 dim ``d``, ``R~`` for a gathered weight, the weights' shards on their placeholders.
 """
 
 from __future__ import annotations
-
-import operator
 
 import torch
 
@@ -36,6 +36,7 @@ from ..comm.groups import declare_group_size
 from ..comm.weights import gather_shards, gathered_ranges
 from ..ops.signatures import SIGNATURES
 from ..placement import REPLICATE, Replicate, SeqShard, Shard
+from ..token_layout import TokenLayout, local_positions, sequence_ordered, split_sequence
 from .fake_values import propagate_fake_values
 from .manager import register
 from .shard.context import ShardingError, new_node
@@ -56,6 +57,8 @@ class _Rewriter:
         self.world = options["tsp"]
         self.group = options["group"]
         self.training = options.get("training", True)
+        self.order = options.get("order", "contiguous")
+        self.layout = TokenLayout(self.rank, self.world, self.order)
         self.inputs = {i.name: i for i in program.inputs}
 
     def call(self, target, args, like, kwargs=None):
@@ -81,6 +84,9 @@ class _Rewriter:
             raise ShardingError(f"the tsp pass shards forward programs over input_ids (packed ones over input_ids "
                                 f"and cu_seqlens) and prefill programs, not a {'packed ' if packed else ''}{mode} "
                                 "program")
+        if self.layout.slots > 1 and (mode != "forward" or packed):
+            raise ShardingError(f"the tsp pass's {self.order!r} order shards unpacked forward programs; a "
+                                f"{'packed ' if packed else ''}{mode} program takes order='contiguous'")
         ids = users[0]
         self.cu_seqlens = users[1] if packed else None
         if packed:
@@ -89,8 +95,10 @@ class _Rewriter:
             self.length = self.call(aten.sym_size.int, (ids, 1), None)
         anchor, self.local_inputs = self.length, {}
         for user in users:
+            split = ((ssm.split.default, (user, 1, self.group)) if self.layout.slots == 1
+                     else (split_sequence, (user, 1, self.rank, self.world, self.order)))
             with self.graph.inserting_after(anchor):
-                local = anchor = self.call(ssm.split.default, (user, 1, self.group), None)
+                local = anchor = self.call(*split, None)
             local.meta["placement"] = SeqShard(1)
             self.local_inputs[user.name] = local
             keep = {local, self.length}
@@ -100,13 +108,12 @@ class _Rewriter:
                                    if n.target is aten.sym_size.int and n.args[1] in (1, -1)}
 
     def offset_positions(self):
-        """``arange(L)`` counts this chunk's global positions: ``arange(c) + rank * c``."""
+        """``arange(L)`` counts the local tokens' global positions: ``arange(c) + rank * c`` for a
+        contiguous chunk, each chunk's own offset under zigzag."""
         for node in list(self.graph.nodes):
             if node.target is aten.arange.default and node.args[0] in self.local_length_nodes:
                 with self.graph.inserting_after(node):
-                    start = self.call(operator.mul, (node.args[0], self.rank), node)
-                with self.graph.inserting_after(start):
-                    shifted = self.call(aten.add.Tensor, (node, start), node)
+                    shifted = self.call(local_positions, (node, self.rank, self.world, self.order), node)
                 node.replace_all_uses_with(shifted, delete_user_cb=lambda user: user is not shifted)
 
     # ------------------------------------------------------------- weights
@@ -144,18 +151,18 @@ class _Rewriter:
                 a = self._bound(node, "causal_conv1d")
                 replacement = (sequence_blocks.causal_conv1d,
                                (a["x"], a["weight"], a["bias"], a["activation"], self.rank, self.group,
-                                a.get("cu_seqlens")))
+                                a.get("cu_seqlens")), {"order": self.order})
             elif node.target is ssm.selective_scan.default:
                 a = self._bound(node, "selective_scan", "initial_state")
                 replacement = (sequence_blocks.selective_scan,
                                (a["u"], a["delta"], a["A"], a["B"], a["C"], a["D"], a["z"], a["delta_bias"],
-                                a["delta_softplus"], self.rank, self.group, a.get("cu_seqlens")))
+                                a["delta_softplus"], self.rank, self.group, a.get("cu_seqlens")), {"order": self.order})
             elif node.target is ssm.ssd_scan.default:
                 a = self._bound(node, "ssd_scan", "initial_states")
                 replacement = (sequence_blocks.ssd_scan,
                                (a["x"], a["dt"], a["A"], a["B"], a["C"], a["chunk_size"], a["D"], a["dt_bias"],
                                 a["dt_softplus"], a["dt_min"], a["dt_max"], self.rank, self.group,
-                                a.get("cu_seqlens")))
+                                a.get("cu_seqlens")), {"order": self.order})
             elif node.target is aten.scaled_dot_product_attention.default:
                 replacement = self._attention(node)
             elif node.target in _TOKEN_MIXING_UNSUPPORTED:
@@ -192,7 +199,8 @@ class _Rewriter:
         # positions and, in prefill, from the attention mask's local chunk (all-gathered there), in
         # a packed program from the row's global cu_seqlens.
         kwargs = {"scale": a.get("scale"), "enable_gqa": a.get("enable_gqa", False),
-                  "key_mask": self.local_inputs.get("attention_mask"), "cu_seqlens": self.cu_seqlens}
+                  "key_mask": self.local_inputs.get("attention_mask"), "cu_seqlens": self.cu_seqlens,
+                  "order": self.order}
         return (sequence_blocks.causal_attention, (a["query"], a["key"], a["value"], self.rank, self.group), kwargs)
 
     # ------------------------------------------------------------- output
@@ -230,7 +238,13 @@ class _Rewriter:
         gathered = []
         for value in flat:
             with self.graph.inserting_before(output):
-                node = self.call(ssm.all_gather.default, (value, 1, self.group, self.length), value)
+                if self.layout.slots == 1:
+                    node = self.call(ssm.all_gather.default, (value, 1, self.group, self.length), value)
+                else:  # rank order is not sequence order: reorder the chunks, then drop the padding
+                    in_rank_order = self.call(ssm.all_gather.default, (value, 1, self.group), value)
+                    in_rank_order.meta["placement"] = REPLICATE
+                    node = self.call(sequence_ordered, (in_rank_order, 1, self.world, self.order, self.length),
+                                     value)
             node.meta["placement"] = REPLICATE
             gathered.append(node)
         output.args = (tuple(gathered) if isinstance(values, (tuple, list)) else gathered[0],)

@@ -338,6 +338,9 @@ def parallelize(model, plan: Plan, *, group=None, device_mesh=None, checkpoint=N
     ``packed=True`` also captures and shards the packed forward program, so ``forward`` accepts
     packed batches (:func:`ssmshard.pack`).
     """
+    if packed and plan.tsp_order != "contiguous":
+        raise PlanError(f"packed=True runs packed rows under Plan(tsp_order='contiguous') only, not "
+                        f"{plan.tsp_order!r}: drop packed=True or tsp_order")
     program = capture(model, mode="forward")
     # Captured before any process-group work too: a model packing cannot serve fails here.
     packed_program = capture(model, mode="forward", packed=True) if packed else None
