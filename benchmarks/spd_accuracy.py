@@ -95,7 +95,14 @@ def run_case(name: str, tp: int, args) -> dict:
     report = ssmshard.sensitivity(model, Plan(tp=tp), streams["calibration"], greedy=args.greedy, progress=False,
                                   **calibration)
     sensitivity_s = time.perf_counter() - started
-    choice = report.choose(budget=args.budget)
+    validation = None
+    if args.validate:
+        # The calibration stream's next windows: disjoint from the calibration and held-out text.
+        validation = streams["calibration"][args.calibration_windows * args.window:]
+        if validation.numel() < args.calibration_windows * args.window:
+            raise SystemExit(f"--validate needs {2 * args.calibration_windows} windows of {args.window} tokens in the "
+                             "calibration stream")
+    choice = report.choose(budget=args.budget, validation_ids=validation)
     stem = os.path.join(os.path.dirname(os.path.abspath(args.out)), f"sensitivity_{name}_tp{tp}")
     report.save(stem + ".json")
     report.plot(stem + ".png")
@@ -123,6 +130,9 @@ def run_case(name: str, tp: int, args) -> dict:
             "calibration": {"exact_perplexity": report.exact_perplexity, "windows": report.windows,
                             "window": report.window, "chosen_perplexity": choice.measured.perplexity,
                             "chosen_increase": choice.measured.increase, "budget": args.budget},
+            "validation": None if choice.validated is None else {
+                "windows": args.calibration_windows, "increase": choice.validated.increase,
+                "taken_back": choice.taken_back},
             "classes": report.classes(),
             "points": [{"name": p.name, "layer": p.layer, "role": p.role, "increase": p.increase, "kl": p.kl,
                         "cls": p.cls} for p in report.points],
@@ -192,6 +202,9 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=128, help="tokens per scored window")
     parser.add_argument("--calibration-windows", type=int, default=16)
     parser.add_argument("--heldout-windows", type=int, default=64)
+    parser.add_argument("--validate", action="store_true",
+                        help="choose(validation_ids=...): check the chosen set on the calibration stream's next "
+                             "--calibration-windows windows and take back sync points until it is within the budget")
     parser.add_argument("--greedy", action=argparse.BooleanOptionalAction, default=True,
                         help="measure the last-layers-first greedy curve (--no-greedy: choose adds sync points in "
                              "one-at-a-time order only, each addition measured; about half the plans)")
