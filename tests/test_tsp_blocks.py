@@ -164,3 +164,57 @@ def test_sharded_causal_attention(world, length, fresh_seed):
     _compare(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
              lambda q, k, v, rank, group: sequence_blocks.causal_attention(q, k, v, rank, group, enable_gqa=True),
              seq, {}, world, 2, fresh_seed)
+
+
+# --------------------------------------------------------------------------- on the Triton kernels
+# Triton's CPU interpreter (TRITON_INTERPRET=1, tests/conftest.py) runs the kernels: sizes tiny.
+@pytest.mark.parametrize("world,length", [(2, 7), pytest.param(3, 13, marks=pytest.mark.slow)])
+def test_sharded_selective_scan_on_triton_kernel(world, length, fresh_seed):
+    """The rerun from the carried-in state (two kernel scans per chunk, grouped B/C, z gate, bias,
+    D) equals the sequential reference op over the whole sequence: values and gradients."""
+    b, d, n, groups = 2, 4, 4, 2
+    seq = {"u": (torch.randn(b, d, length), -1), "delta": (torch.randn(b, d, length) * 0.5, -1),
+           "B": (torch.randn(b, groups, n, length), -1), "C": (torch.randn(b, groups, n, length), -1),
+           "z": (torch.randn(b, d, length), -1)}
+    shared = {"A": -torch.rand(d, n) - 0.1, "D": torch.randn(d), "bias": torch.randn(d) * 0.1}
+    _compare(lambda u, delta, A, B, C, D, z, bias: torch.ops.ssmshard.selective_scan(
+                 u, delta, A, B, C, D, z, bias, True, None)[0],
+             lambda u, delta, A, B, C, D, z, bias, rank, group: sequence_blocks.selective_scan(
+                 u, delta, A, B, C, D, z, bias, True, rank, group, kernels="triton")[0],
+             seq, shared, world, -1, fresh_seed)
+
+
+@pytest.mark.parametrize("world,length", [(2, 7), pytest.param(3, 13, marks=pytest.mark.slow)])
+def test_sharded_ssd_scan_on_triton_kernel(world, length, fresh_seed):
+    b, h, p, n, groups = 2, 4, 3, 4, 2
+    seq = {"x": (torch.randn(b, length, h, p), 1), "dt": (torch.randn(b, length, h) * 0.5, 1),
+           "B": (torch.randn(b, length, groups, n), 1), "C": (torch.randn(b, length, groups, n), 1)}
+    shared = {"A": -torch.rand(h) - 0.1, "D": torch.randn(h), "bias": torch.randn(h) * 0.1}
+    _compare(lambda x, dt, A, B, C, D, bias: torch.ops.ssmshard.ssd_scan(
+                 x, dt, A, B, C, 4, D, bias, None, True, 0.0, float("inf"))[0],
+             lambda x, dt, A, B, C, D, bias, rank, group: sequence_blocks.ssd_scan(
+                 x, dt, A, B, C, 4, D, bias, True, 0.0, float("inf"), rank, group, kernels="triton")[0],
+             seq, shared, world, 1, fresh_seed)
+
+
+@pytest.mark.parametrize("world,length", [(3, 12), pytest.param(3, 14, marks=pytest.mark.slow)])
+def test_packed_state_passing_on_triton_kernels_equals_each_sequence_alone(world, length, fresh_seed):
+    """Packed rows on the kernels (per-piece initial states of the rerun) against each sequence
+    scanned alone by the reference op: a sequence starts on each rank boundary and one inside a
+    chunk; values and gradients."""
+    cu = _packed(length)
+    d, n, h, p = 4, 4, 2, 3
+    seq = {"u": (torch.randn(1, d, length), -1), "delta": (torch.randn(1, d, length) * 0.5, -1),
+           "B": (torch.randn(1, n, length), -1), "C": (torch.randn(1, n, length), -1)}
+    _compare(_per_sequence(lambda u, delta, A, B, C: torch.ops.ssmshard.selective_scan(
+                 u, delta, A, B, C, None, None, None, True, None)[0], cu, -1, seq),
+             lambda u, delta, A, B, C, rank, group: sequence_blocks.selective_scan(
+                 u, delta, A, B, C, None, None, None, True, rank, group, cu, kernels="triton")[0],
+             seq, {"A": -torch.rand(d, n) - 0.1}, world, -1, fresh_seed)
+    seq = {"x": (torch.randn(1, length, h, p), 1), "dt": (torch.randn(1, length, h) * 0.5, 1),
+           "B": (torch.randn(1, length, 1, n), 1), "C": (torch.randn(1, length, 1, n), 1)}
+    _compare(_per_sequence(lambda x, dt, A, B, C: torch.ops.ssmshard.ssd_scan(
+                 x, dt, A, B, C, 4, None, None, None, True, 0.0, float("inf"))[0], cu, 1, seq),
+             lambda x, dt, A, B, C, rank, group: sequence_blocks.ssd_scan(
+                 x, dt, A, B, C, 4, None, None, True, 0.0, float("inf"), rank, group, cu, kernels="triton")[0],
+             seq, {"A": -torch.rand(h) - 0.1}, world, 1, fresh_seed)
