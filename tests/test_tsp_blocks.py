@@ -6,6 +6,7 @@ sequence boundaries fall on rank boundaries."""
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ssmshard import comm, sequence_blocks
 from ssmshard.testing import rel_err
@@ -221,3 +222,40 @@ def test_packed_state_passing_on_triton_kernels_equals_each_sequence_alone(world
              lambda x, dt, A, B, C, rank, group: sequence_blocks.ssd_scan(
                  x, dt, A, B, C, 4, None, None, True, 0.0, float("inf"), rank, group, cu, kernels="triton")[0],
              seq, {"A": -torch.rand(h) - 0.1}, world, 1, fresh_seed)
+
+
+class _Shapes(TorchDispatchMode):
+    """The shape of every tensor a torch op produces while active (this thread's ops)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.shapes += [tuple(t.shape) for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return out
+
+
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_mamba1_state_passing_on_triton_kernels_makes_no_decay_tensor(kernels, fresh_seed):
+    """Forward and backward of a rank's Mamba-1 block: the reference correction materialises a
+    (b, d, c, n) decay tensor (checked here, so the check can fail), the rerun on the kernel none:
+    no tensor holds the chunk's tokens, the channels and the state size together."""
+    world, b, d, c, n = 2, 1, 4, 5, 8
+    length = world * c
+
+    def rank_fn(rank, world):
+        gen = torch.Generator().manual_seed(fresh_seed)  # the same weights on every rank
+        u, delta, B, C = (torch.randn(b, *shape, generator=gen)[..., rank * c:(rank + 1) * c].requires_grad_()
+                          for shape in ((d, length), (d, length), (n, length), (n, length)))
+        A = (-torch.rand(d, n, generator=gen) - 0.1).requires_grad_()
+        with _Shapes() as seen:
+            y, _ = sequence_blocks.selective_scan(u, delta, A, B, C, None, None, None, True, rank, "tsp",
+                                                  kernels=kernels)
+            y.sum().backward()
+        return seen.shapes
+
+    for shapes in comm.run_simulated(rank_fn, world, group="tsp"):
+        decay_like = [s for s in shapes if all(s.count(size) >= 1 for size in (d, c, n))]
+        assert bool(decay_like) == (kernels == "reference"), (kernels, decay_like)

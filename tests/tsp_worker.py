@@ -39,20 +39,27 @@ def tsp_results(rank, world, cases, lengths, seed, out_path):
         dm.sync_replicated_grads()
         model.zero_grad()
         (model(ids).logits * probe).sum().backward()
-        named = dict(model.named_parameters(remove_duplicate=False))
-        got, want, worst = [], [], 0.0
-        for fqn, spec in dm.program.param_specs.items():
-            if spec.kind != "parameter" or named[fqn].grad is None:
-                continue
-            expected = local_slice(named[fqn].grad, spec.placement, rank)
-            local = dm.local_weight(fqn).grad
-            got.append(local.flatten())
-            want.append(expected.flatten())
-            worst = max(worst, rel_err(local, expected))
+        grad_err, worst = gradient_errors(dm, model, rank)
         model.zero_grad()
-        results.append({"family": family, "logits_err": max(errors),
-                        "grad_err": rel_err(torch.cat(got), torch.cat(want)), "worst_tensor_grad_err": worst})
+        results.append({"family": family, "logits_err": max(errors), "grad_err": grad_err,
+                        "worst_tensor_grad_err": worst})
     _write_on_rank0(rank, results, out_path)
+
+
+def gradient_errors(dm, model, rank):
+    """(relative error over rank ``rank``'s whole local gradient vector, worst single tensor's)
+    of ``dm``'s local weight gradients against the matching slices of ``model``'s gradients."""
+    named = dict(model.named_parameters(remove_duplicate=False))
+    got, want, worst = [], [], 0.0
+    for fqn, spec in dm.program.param_specs.items():
+        if spec.kind != "parameter" or named[fqn].grad is None:
+            continue
+        expected = local_slice(named[fqn].grad, spec.placement, rank)
+        local = dm.local_weight(fqn).grad
+        got.append(local.flatten())
+        want.append(expected.flatten())
+        worst = max(worst, rel_err(local, expected))
+    return rel_err(torch.cat(got), torch.cat(want)), worst
 
 
 def memory_results(rank, world, cases, lengths, out_path):
