@@ -14,8 +14,9 @@ gives at ``tp=D``) and ``1/D`` of the tokens (a contiguous chunk, padded inside 
 * positions (``arange`` over the sequence length) are offset by the chunk's start, so rotary
   embeddings see global positions;
 * the ops that mix tokens become their ``sequence_blocks`` counterparts: the causal conv takes
-  its halo from the previous rank, the scans pass states over ranks, attention gathers keys
-  and values (causal by global position);
+  its halo from the previous rank, the scans pass states over ranks (on the Triton kernels
+  when the ``kernels`` option is "triton"), attention gathers keys and values (causal by
+  global position);
 * a packed program's ``cu_seqlens`` stays whole (global offsets) and reaches every conv, scan
   and attention, which keep sequences apart across the chunks;
 * the logits are all-gathered along the sequence (the padding dropped) before the output.
