@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import fnmatch
-import logging
 
 import torch
 
@@ -178,9 +177,6 @@ class Plan:
         if conflicts:
             raise PlanError(f"Plan(tsp=...) has no all-reduce sync points or reduce policy; remove "
                             f"{', '.join(conflicts)} (they apply to Plan(tp=...))")
-        if self.kernels == "triton":
-            raise PlanError("Plan(tsp=...) runs the torch reference scans (the sequence-sharded state passing "
-                            "is not wired to the Triton kernels); use kernels='auto' or 'reference'")
         self.tp = self.tsp
 
     def policy_for(self, mode: str):
@@ -210,7 +206,7 @@ class Plan:
         if self.tsp > 1 and (mode == "forward" or sequence_sharded):
             # A sequence-sharded prefill keeps the contiguous order: its states end on the last rank.
             order = self.tsp_order if mode == "forward" else "contiguous"
-            return self._tsp_pipeline(placements=placements, rank=rank, group=group, order=order)
+            return self._tsp_pipeline(placements=placements, rank=rank, group=group, order=order, kernels=kernels)
         options = {"placements": placements, "rank": rank, "tp": self.tp, "group": group,
                    "training": self.training, "policy": self.policy_for(mode),
                    "input_placements": input_placements or {}}
@@ -239,12 +235,18 @@ class Plan:
             steps.append("fold_weights")
         return steps
 
-    def _tsp_pipeline(self, *, placements, rank: int, group: str, order: str) -> list:
+    def _tsp_pipeline(self, *, placements, rank: int, group: str, order: str, kernels: str) -> list:
         """A forward (or sequence-sharded prefill) program under TSP. Decode and chunk programs of
         a TSP plan are the plain tensor-parallel ones over the same weight shards (the layouts are
-        the same by construction): docs/tsp.md."""
-        return [("tsp", {"placements": placements, "rank": rank, "tsp": self.tsp, "group": group,
-                         "training": self.training, "order": order})]
+        the same by construction): docs/tsp.md. With ``kernels == "triton"`` the sequence blocks'
+        scans run on the Triton kernels (the ``tsp`` pass hands them the choice) and
+        ``swap_kernels`` retargets the SSM ops left in the program (the norms)."""
+        steps = [("tsp", {"placements": placements, "rank": rank, "tsp": self.tsp, "group": group,
+                          "training": self.training, "order": order,
+                          "kernels": kernels})]
+        if kernels == "triton":
+            steps.append(("swap_kernels", {"kernels": "triton"}))
+        return steps
 
     def kernel_choice(self, device: torch.device) -> str:
         """"triton" or "reference" for weights on ``device``; Triton needs CUDA tensors."""
@@ -252,11 +254,7 @@ class Plan:
             raise PlanError(f"Plan(kernels='triton') needs the weights on a CUDA device, not {device}; "
                             "use kernels='auto' or 'reference' on the CPU")
         if self.kernels == "auto":
-            if device.type == "cuda" and self.tsp > 1:
-                logging.getLogger("ssmshard").warning(
-                    "Plan(tsp=%d) runs the torch reference scans on CUDA: the sequence-sharded state passing "
-                    "is not wired to the Triton kernels yet (kernels='reference' silences this)", self.tsp)
-            return "triton" if device.type == "cuda" and self.tsp == 1 else "reference"
+            return "triton" if device.type == "cuda" else "reference"
         return self.kernels
 
     def all_rules(self, family) -> list[Rule]:

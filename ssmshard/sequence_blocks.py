@@ -15,9 +15,11 @@ and its carried state from the chunk before it in sequence order:
 * ``selective_scan`` / ``ssd_scan``: each rank scans its chunk from a zero state, returning its
   final state ``h_r`` and its total decay ``a_r`` (the product of its steps' decays); an
   all-gather of ``(h, a)`` and a local fold ``h_in(r+1) = a_r * h_in(r) + h_r`` give each rank
-  its true initial state (an exclusive prefix over the chunks); the chunk's outputs are then
-  corrected by ``C_t . decay(chunk start -> t) . h_in``, which costs one contraction instead of
-  a second scan.
+  its true initial state (an exclusive prefix over the chunks). On the reference ops the chunk's
+  outputs are then corrected by ``C_t . decay(chunk start -> t) . h_in`` (one contraction); on
+  the Triton kernels (``kernels="triton"``) Mamba-1 scans its chunk a second time from ``h_in``
+  instead (its correction would materialise a (b, d, c, n) decay tensor), Mamba-2 keeps the
+  correction (a (b, c, h) decay): docs/tsp.md, "Initial state".
 * ``causal_attention``: the keys and values are all-gathered along the sequence; the mask
   places this rank's queries at their global positions.
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -179,21 +182,59 @@ def exclusive_state_prefix(state: Tensor, decay: Tensor, rank: int, group: str, 
     return torch.stack([entering[chunk] for chunk in layout.held], 1).flatten(0, 1)
 
 
+KERNELS = ("reference", "triton")
+
+
+def _on_triton(kernels: str, tensor: Tensor) -> bool:
+    """Whether a scan runs on its Triton kernel: ``kernels == "triton"`` and real tensors a kernel
+    runs on (CUDA ones, or any under Triton's CPU interpreter, TRITON_INTERPRET=1). The fake
+    tensors of the ``tsp`` pass's shape propagation take the reference op (the same output
+    shapes), and so do CPU tensors without the interpreter, as ``swap_kernels``' adapters do
+    (a program moved to the CPU stays correct)."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+    if kernels == "reference" or isinstance(tensor, FakeTensor):
+        return False
+    from .kernels.ssd_triton_common import INTERPRET  # imports Triton: only when asked for
+
+    return tensor.is_cuda or INTERPRET
+
+
+def _last_sequence(final: Tensor, local_cu: Optional[Tensor]) -> Tensor:
+    """The kernels return one final state per packed sequence; the chunk's is its last one's."""
+    return final[-1:] if local_cu is not None else final
+
+
+def _packed_initial(initial: Tensor, reached: Optional[Tensor], local_cu: Optional[Tensor]) -> Tensor:
+    """The kernels' initial states: ``initial`` (b, ...) unpacked; packed, one per piece of a
+    sequence in the chunk (``local_cu``): the carried state for the first piece where it still
+    reaches it (no sequence starts on the chunk's first token), zeros for the others."""
+    if local_cu is None:
+        return initial
+    first = initial * reached[0]
+    return torch.cat([first, first.new_zeros(local_cu.numel() - 2, *initial.shape[1:])])
+
+
 def selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus: bool, rank: int, group: str,
-                   cu_seqlens: Optional[Tensor] = None, order: str = "contiguous"):
+                   cu_seqlens: Optional[Tensor] = None, order: str = "contiguous", *, kernels: str = "reference"):
     """``ops.selective_scan`` (Mamba-1) of this rank's tokens (b, d, slots * c) of the whole
     sequence, from a zero initial state at the sequence start. Returns (out, the state after this
-    rank's last chunk)."""
+    rank's last chunk). ``kernels``: "reference" (the op) or "triton" (the Triton kernel, see
+    ``_on_triton``)."""
     slots = _layout(rank, group, order, cu_seqlens).slots
     u, delta, B, C, z = (_chunks_as_batch(t, -1, slots) for t in (u, delta, B, C, z))
     bsz, d, c = u.shape
     local_cu = None if cu_seqlens is None else local_cu_seqlens(cu_seqlens, rank * c, c).to(torch.int32)
+    reached = _reached_by_carry(cu_seqlens, rank * c, c, u.device)
+    dt = _discretise_dt(delta, delta_bias, delta_softplus, (d, 1))  # (b, d, c)
+    if _on_triton(kernels, u):
+        y, state = _selective_scan_rerun(u, delta, A, B, C, D, z, delta_bias, delta_softplus, rank, group, order,
+                                         local_cu, dt, reached)
+        return _batch_as_chunks(y, -1, slots), _last_chunk(state, slots)
     y, local_state = torch.ops.ssmshard.selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, None,
                                                        local_cu)
-    dt = _discretise_dt(delta, delta_bias, delta_softplus, (d, 1))  # (b, d, c)
     from_start = dt.cumsum(-1)[..., None] * A.float()[:, None, :]  # (b, d, c, n): log-decay since the chunk start
     carry = from_start.exp()
-    reached = _reached_by_carry(cu_seqlens, rank * c, c, u.device)
     if reached is not None:
         carry = carry * reached[:, None]
     decay = carry[:, :, -1]  # (b, d, n)
@@ -207,18 +248,50 @@ def selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus: bool, ra
     return _batch_as_chunks(y + correction, -1, slots), _last_chunk(decay * initial + local_state, slots)
 
 
+def _selective_scan_rerun(u, delta, A, B, C, D, z, delta_bias, delta_softplus, rank, group, order, local_cu, dt,
+                          reached):
+    """``selective_scan`` on the Triton kernel: the chunk is scanned from a zero state for its final
+    state only, then again from the carried-in state for its output (no (b, d, c, n) tensor; twice
+    the scan's time: docs/tsp.md). Gradients reach the carried-in state through the kernel's
+    initial-state gradient, and the earlier ranks through the first scan's final-state gradient."""
+    from .kernels.selective_scan import selective_scan as scan_kernel
+
+    def scan(initial):
+        y, final = scan_kernel(u, delta, A, B, C, D, z, delta_bias, delta_softplus, cu_seqlens=local_cu,
+                               initial_state=initial, return_final_state=True, out_dtype=torch.float32)
+        return y, _last_sequence(final, local_cu)
+
+    _, local_state = scan(None)  # its output is not read: the second scan's replaces it
+    decay = (dt.sum(-1)[..., None] * A.float()).exp()  # (b, d, n): the chunk's total decay
+    if reached is not None:
+        decay = decay * reached[-1]  # a sequence starts inside the chunk: nothing carried passes it
+    initial = exclusive_state_prefix(local_state, decay, rank, group, order)  # (b, d, n)
+    return scan(_packed_initial(initial, reached, local_cu))
+
+
 def ssd_scan(x, dt, A, B, C, chunk_size, D, dt_bias, dt_softplus: bool, dt_min: float, dt_max: float, rank: int,
-             group: str, cu_seqlens: Optional[Tensor] = None, order: str = "contiguous"):
+             group: str, cu_seqlens: Optional[Tensor] = None, order: str = "contiguous", *,
+             kernels: str = "reference"):
     """``ops.ssd_scan`` (Mamba-2) of this rank's tokens (b, slots * c, h, p) of the whole sequence,
     from a zero initial state at the sequence start. Returns (out, the states after this rank's
-    last chunk)."""
+    last chunk). ``kernels``: "reference" (the op) or "triton" (the Triton kernel for the chunk's
+    scan from a zero state, see ``_on_triton``); the carried-in state is applied by the correction
+    either way."""
     slots = _layout(rank, group, order, cu_seqlens).slots
     x, dt, B, C = (_chunks_as_batch(t, 1, slots) for t in (x, dt, B, C))
     bsz, c, h, p = x.shape
     g = B.shape[-2]
     local_cu = None if cu_seqlens is None else local_cu_seqlens(cu_seqlens, rank * c, c).to(torch.int32)
-    y, local_state = torch.ops.ssmshard.ssd_scan(x, dt, A, B, C, chunk_size, D, dt_bias, None, dt_softplus,
-                                                 dt_min, dt_max, local_cu)
+    if _on_triton(kernels, x):
+        from .kernels.ssd_scan import ssd_scan as scan_kernel
+
+        y, final = scan_kernel(x, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                               dt_limit=(dt_min, dt_max), cu_seqlens=local_cu, return_final_states=True,
+                               out_dtype=torch.float32)
+        local_state = _last_sequence(final, local_cu)
+    else:
+        y, local_state = torch.ops.ssmshard.ssd_scan(x, dt, A, B, C, chunk_size, D, dt_bias, None, dt_softplus,
+                                                     dt_min, dt_max, local_cu)
     dt32 = _discretise_dt(dt, dt_bias, dt_softplus, (h,)).clamp(dt_min, dt_max)  # (b, c, h)
     carry = (dt32 * A.float()).cumsum(1).exp()  # (b, c, h): decay from the chunk start to step t
     reached = _reached_by_carry(cu_seqlens, rank * c, c, x.device)

@@ -145,8 +145,9 @@ def test_tsp_plan_errors_before_launch():
         ssmshard.Plan(tsp=2, drop_syncs=["layers.*.out_proj"])
     with pytest.raises(PlanError, match="policy"):
         ssmshard.Plan(tsp=2, policy=object())
-    with pytest.raises(PlanError, match="reference scans"):
-        ssmshard.Plan(tsp=2, kernels="triton")
+    with pytest.raises(PlanError, match="needs the weights on a CUDA device"):  # the kernels themselves run under TSP
+        ssmshard.Plan(tsp=2, kernels="triton").kernel_choice(torch.device("cpu"))
+    assert ssmshard.Plan(tsp=2).kernel_choice(torch.device("cuda")) == "triton"
     with pytest.raises(PlanError, match="tsp must be a positive integer"):
         ssmshard.Plan(tsp=0)
     with pytest.raises(PlanError, match="tsp_order must be one of 'contiguous', 'zigzag', got 'ring'"):

@@ -6,6 +6,7 @@ sequence boundaries fall on rank boundaries."""
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ssmshard import comm, sequence_blocks
 from ssmshard.testing import rel_err
@@ -195,3 +196,99 @@ def test_zigzag_refuses_packed_rows():
     with pytest.raises(ValueError, match="contiguous"):
         comm.run_simulated(lambda rank, world: sequence_blocks.causal_conv1d(
             torch.randn(1, 2, 4), torch.randn(2, 3), None, None, rank, "tsp", cu, order="zigzag"), 2, group="tsp")
+
+
+# --------------------------------------------------------------------------- on the Triton kernels
+# Triton's CPU interpreter (TRITON_INTERPRET=1, tests/conftest.py) runs the kernels: sizes tiny.
+# Each interpreted kernel program costs seconds: batch 2 with two B/C groups (4x the programs) in
+# the slow set.
+@pytest.mark.parametrize("world,length,b,groups,order", [
+    (2, 7, 1, 1, "contiguous"), pytest.param(3, 13, 2, 2, "contiguous", marks=pytest.mark.slow),
+    pytest.param(2, 11, 1, 1, "zigzag", marks=pytest.mark.slow)])
+def test_sharded_selective_scan_on_triton_kernel(world, length, b, groups, order, fresh_seed):
+    """The rerun from the carried-in state (two kernel scans per chunk; z gate, bias, D, grouped
+    B/C in the slow case) equals the sequential reference op over the whole sequence: values and
+    gradients."""
+    d, n = 4, 4
+    seq = {"u": (torch.randn(b, d, length), -1), "delta": (torch.randn(b, d, length) * 0.5, -1),
+           "B": (torch.randn(b, groups, n, length), -1), "C": (torch.randn(b, groups, n, length), -1),
+           "z": (torch.randn(b, d, length), -1)}
+    shared = {"A": -torch.rand(d, n) - 0.1, "D": torch.randn(d), "bias": torch.randn(d) * 0.1}
+    _compare(lambda u, delta, A, B, C, D, z, bias: torch.ops.ssmshard.selective_scan(
+                 u, delta, A, B, C, D, z, bias, True, None)[0],
+             lambda u, delta, A, B, C, D, z, bias, rank, group: sequence_blocks.selective_scan(
+                 u, delta, A, B, C, D, z, bias, True, rank, group, order=order, kernels="triton")[0],
+             seq, shared, world, -1, fresh_seed, order)
+
+
+@pytest.mark.parametrize("world,length", [(2, 7), pytest.param(3, 13, marks=pytest.mark.slow)])
+def test_sharded_ssd_scan_on_triton_kernel(world, length, fresh_seed):
+    b, h, p, n, groups = 2, 4, 3, 4, 2
+    seq = {"x": (torch.randn(b, length, h, p), 1), "dt": (torch.randn(b, length, h) * 0.5, 1),
+           "B": (torch.randn(b, length, groups, n), 1), "C": (torch.randn(b, length, groups, n), 1)}
+    shared = {"A": -torch.rand(h) - 0.1, "D": torch.randn(h), "bias": torch.randn(h) * 0.1}
+    _compare(lambda x, dt, A, B, C, D, bias: torch.ops.ssmshard.ssd_scan(
+                 x, dt, A, B, C, 4, D, bias, None, True, 0.0, float("inf"))[0],
+             lambda x, dt, A, B, C, D, bias, rank, group: sequence_blocks.ssd_scan(
+                 x, dt, A, B, C, 4, D, bias, True, 0.0, float("inf"), rank, group, kernels="triton")[0],
+             seq, shared, world, 1, fresh_seed)
+
+
+@pytest.mark.parametrize("world,length", [(3, 12), pytest.param(3, 14, marks=pytest.mark.slow)])
+def test_packed_state_passing_on_triton_kernels_equals_each_sequence_alone(world, length, fresh_seed):
+    """Packed rows on the kernels (per-piece initial states of the rerun) against each sequence
+    scanned alone by the reference op: a sequence starts on each rank boundary and one inside a
+    chunk; values and gradients."""
+    cu = _packed(length)
+    d, n, h, p = 4, 4, 2, 3
+    seq = {"u": (torch.randn(1, d, length), -1), "delta": (torch.randn(1, d, length) * 0.5, -1),
+           "B": (torch.randn(1, n, length), -1), "C": (torch.randn(1, n, length), -1)}
+    _compare(_per_sequence(lambda u, delta, A, B, C: torch.ops.ssmshard.selective_scan(
+                 u, delta, A, B, C, None, None, None, True, None)[0], cu, -1, seq),
+             lambda u, delta, A, B, C, rank, group: sequence_blocks.selective_scan(
+                 u, delta, A, B, C, None, None, None, True, rank, group, cu, kernels="triton")[0],
+             seq, {"A": -torch.rand(d, n) - 0.1}, world, -1, fresh_seed)
+    seq = {"x": (torch.randn(1, length, h, p), 1), "dt": (torch.randn(1, length, h) * 0.5, 1),
+           "B": (torch.randn(1, length, 1, n), 1), "C": (torch.randn(1, length, 1, n), 1)}
+    _compare(_per_sequence(lambda x, dt, A, B, C: torch.ops.ssmshard.ssd_scan(
+                 x, dt, A, B, C, 4, None, None, None, True, 0.0, float("inf"))[0], cu, 1, seq),
+             lambda x, dt, A, B, C, rank, group: sequence_blocks.ssd_scan(
+                 x, dt, A, B, C, 4, None, None, True, 0.0, float("inf"), rank, group, cu, kernels="triton")[0],
+             seq, {"A": -torch.rand(h) - 0.1}, world, 1, fresh_seed)
+
+
+class _Shapes(TorchDispatchMode):
+    """The shape of every tensor a torch op produces while active (this thread's ops)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.shapes += [tuple(t.shape) for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return out
+
+
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_mamba1_state_passing_on_triton_kernels_makes_no_decay_tensor(kernels, fresh_seed):
+    """Forward and backward of a rank's Mamba-1 block: the reference correction materialises a
+    (b, d, c, n) decay tensor (checked here, so the check can fail), the rerun on the kernel none:
+    no tensor holds the chunk's tokens, the channels and the state size together."""
+    world, b, d, c, n = 2, 1, 4, 5, 8
+    length = world * c
+
+    def rank_fn(rank, world):
+        gen = torch.Generator().manual_seed(fresh_seed)  # the same weights on every rank
+        u, delta, B, C = (torch.randn(b, *shape, generator=gen)[..., rank * c:(rank + 1) * c].requires_grad_()
+                          for shape in ((d, length), (d, length), (n, length), (n, length)))
+        A = (-torch.rand(d, n, generator=gen) - 0.1).requires_grad_()
+        with _Shapes() as seen:
+            y, _ = sequence_blocks.selective_scan(u, delta, A, B, C, None, None, None, True, rank, "tsp",
+                                                  kernels=kernels)
+            y.sum().backward()
+        return seen.shapes
+
+    for shapes in comm.run_simulated(rank_fn, world, group="tsp"):
+        decay_like = [s for s in shapes if all(s.count(size) >= 1 for size in (d, c, n))]
+        assert bool(decay_like) == (kernels == "reference"), (kernels, decay_like)

@@ -66,6 +66,46 @@ def test_tsp_options_that_cannot_apply_raise_before_work():
     assert rank0._generation is None  # nothing was captured
 
 
+# Interpreted, Mamba-1's 128-channel scans took 956 s on the shared 2-core machine (Mamba-2: 19 s).
+@pytest.mark.parametrize("family", [pytest.param("mamba", marks=pytest.mark.slow), "mamba2"])
+def test_tsp_on_triton_scan_kernels_equals_hf_eager(family, monkeypatch, fresh_seed):
+    """``Plan(tsp=2, kernels="triton")``: the rank pipeline as on CUDA (the ``tsp`` pass hands
+    "triton" to the sequence blocks, ``swap_kernels`` follows), the scans run by Triton's CPU
+    interpreter. Logits against HF eager (1e-5) and each rank's gradients against the slices of
+    HF's (1e-5 over the rank's gradient vector, 1e-4 per tensor, as tests/test_tsp.py), at a
+    length that leaves the last chunk padded."""
+    from tsp_worker import gradient_errors
+
+    from ssmshard.sequence_blocks import selective_scan, ssd_scan
+
+    monkeypatch.setattr(ssmshard.Plan, "kernel_choice", lambda self, device: "triton")
+    model = small_model(family)
+    mesh = ssmshard.SimulatedMesh(model, ssmshard.Plan(tsp=2, kernels="triton"))
+    scans = [n for n in mesh.program.graph.nodes if n.target in (selective_scan, ssd_scan)]
+    assert scans and all(n.kwargs["kernels"] == "triton" for n in scans)
+    gen = torch.Generator().manual_seed(fresh_seed)
+    ids = torch.randint(0, model.config.vocab_size, (1, 5), generator=gen)
+    probe = torch.randn(1, 5, model.config.vocab_size, generator=gen)
+    model.zero_grad()
+    want = model(ids).logits
+    (want * probe).sum().backward()
+
+    def rank_main(dm):
+        logits = dm(ids)
+        (logits * probe).sum().backward()
+        dm.sync_replicated_grads()
+        return logits.detach(), gradient_errors(dm, model, dm.rank)
+
+    try:
+        results = mesh.run(rank_main)
+    finally:
+        model.zero_grad()
+    for rank, (logits, errors) in enumerate(results):
+        where = (family, rank, fresh_seed)
+        assert rel_err(logits, want.detach()) < 1e-5, where
+        assert errors["grad_err"] < 1e-5 and errors["worst_tensor_grad_err"] < 1e-4, (where, errors)
+
+
 class _ReceivedBytes(TorchDispatchMode):
     """Bytes a rank receives through the TSP program's collectives, counted as they run: an
     all-gather brings the D - 1 other ranks' inputs, a shift or broadcast one input."""

@@ -48,30 +48,41 @@ def tsp_results(rank, world, cases, lengths, seed, out_path, order="contiguous")
         dm.sync_replicated_grads()
         model.zero_grad()
         (model(ids).logits * probe).sum().backward()
-        named = dict(model.named_parameters(remove_duplicate=False))
         # HF's gradient in fp64 too: how far HF's own fp32 gradient is from it bounds what fp32 can reach.
         exact = copy.deepcopy(model).double()
         (exact(ids).logits * probe.double()).sum().backward()
-        named64 = dict(exact.named_parameters(remove_duplicate=False))
-        got, want, want64, worst, beyond = [], [], [], 0.0, []
-        for fqn, spec in dm.program.param_specs.items():
-            if spec.kind != "parameter" or named[fqn].grad is None:
-                continue
-            expected = local_slice(named[fqn].grad, spec.placement, rank)
+        errors_of_grads = gradient_errors(dm, model, rank, exact)
+        model.zero_grad()
+        results.append({"family": family, "logits_err": max(errors), **errors_of_grads})
+    _write_on_rank0(rank, results, out_path)
+
+
+def gradient_errors(dm, model, rank, model64=None) -> dict:
+    """``dm``'s local weight gradients against the matching slices of ``model``'s: the relative
+    error over rank ``rank``'s whole local gradient vector (``grad_err``) and the worst single
+    tensor's. With ``model64`` (an fp64 copy of ``model`` after the same backward) also whether
+    they are within fp32's reach (``_within_fp32``: 1e-5 over the vector, 1e-4 per tensor)."""
+    named = dict(model.named_parameters(remove_duplicate=False))
+    named64 = dict(model64.named_parameters(remove_duplicate=False)) if model64 is not None else None
+    got, want, want64, worst, beyond = [], [], [], 0.0, []
+    for fqn, spec in dm.program.param_specs.items():
+        if spec.kind != "parameter" or named[fqn].grad is None:
+            continue
+        expected = local_slice(named[fqn].grad, spec.placement, rank)
+        local = dm.local_weight(fqn).grad
+        got.append(local.flatten())
+        want.append(expected.flatten())
+        worst = max(worst, rel_err(local, expected))
+        if named64 is not None:
             expected64 = local_slice(named64[fqn].grad, spec.placement, rank)
-            local = dm.local_weight(fqn).grad
-            got.append(local.flatten())
-            want.append(expected.flatten())
             want64.append(expected64.flatten())
-            worst = max(worst, rel_err(local, expected))
             if not _within_fp32(local, expected, expected64, 1e-4):
                 beyond.append(fqn)
-        model.zero_grad()
-        got, want, want64 = torch.cat(got), torch.cat(want), torch.cat(want64)
-        results.append({"family": family, "logits_err": max(errors), "grad_err": rel_err(got, want),
-                        "worst_tensor_grad_err": worst, "grad_within_fp32": _within_fp32(got, want, want64, 1e-5),
-                        "tensors_beyond_fp32": beyond})
-    _write_on_rank0(rank, results, out_path)
+    got, want = torch.cat(got), torch.cat(want)
+    errors = {"grad_err": rel_err(got, want), "worst_tensor_grad_err": worst}
+    if named64 is not None:
+        errors.update(grad_within_fp32=_within_fp32(got, want, torch.cat(want64), 1e-5), tensors_beyond_fp32=beyond)
+    return errors
 
 
 def memory_results(rank, world, cases, lengths, out_path):

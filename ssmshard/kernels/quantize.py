@@ -26,15 +26,12 @@ Dimension letters: g blocks of one program, b values of one block.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import threading
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from ssmshard.kernels.interpreter import INTERPRETER_LOCK
 from ssmshard.kernels.launch_math import cdiv
 
 QMAX = {"int8": 127.0, "fp8": 448.0}
@@ -155,15 +152,9 @@ def _dequantize_kernel(codes_ptr, code_row_stride, scales_ptr, scale_row_stride,
 
 
 # ----------------------------------------------------------------------------- host side
-# Triton's CPU interpreter patches ``triton.language`` while a kernel runs, so interpreted
-# launches from several threads (the ranks of a simulated group) must not overlap.
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-_INTERPRETER_LOCK = threading.Lock() if _INTERPRETED else contextlib.nullcontext()
-
-
 def _launch(kernel, blocks: int, block: int, *args, **constants):
     group = max(1, _VALUES_PER_PROGRAM // block)
-    with _INTERPRETER_LOCK:
+    with INTERPRETER_LOCK:  # interpreted launches from simulated ranks' threads must not overlap
         kernel[(max(1, cdiv(blocks, group)),)](*args, BLOCK=block, GROUP=group, enable_fp_fusion=False, **constants)
 
 

@@ -42,6 +42,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ssmshard.kernels.interpreter import INTERPRETER_LOCK
 from ssmshard.kernels.launch_math import cdiv, next_power_of_2, sm_count
 from ssmshard.kernels.selective_scan_bwd import scan_bwd_kernel
 from ssmshard.kernels.selective_scan_bwd_parallel import scan_bwd_parallel_kernel
@@ -477,8 +478,9 @@ class _SelectiveScanFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dfinal=None):
         u, delta, A, B32, C32, D, z, delta_bias, initial_state, seq_idx, ckpt, bwd_ranges = ctx.saved_tensors
-        grads = _backward(u, delta, A, B32, C32, ctx.bc_like, D, z, delta_bias, initial_state, seq_idx, ckpt,
-                          dy, dfinal, ctx.softplus, ctx.cfg, bwd_ranges)
+        with INTERPRETER_LOCK:
+            grads = _backward(u, delta, A, B32, C32, ctx.bc_like, D, z, delta_bias, initial_state, seq_idx, ckpt,
+                              dy, dfinal, ctx.softplus, ctx.cfg, bwd_ranges)
         needed = ctx.needs_input_grad
         return tuple(gr if needed[i] else None for i, gr in enumerate(grads)) + (None,) * 5
 
@@ -624,11 +626,12 @@ def selective_scan(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D:
     """
     cfg = config or default_config(u.shape[0], u.shape[1], u.shape[-1], u.device, packed=cu_seqlens is not None)
     tensors = (u, delta, A, B, C, D, z, delta_bias, initial_state)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        return _SelectiveScanFn.apply(u, delta, A, B, C, D, z, delta_bias, initial_state,
-                                      delta_softplus, cu_seqlens, return_final_state, out_dtype, cfg)
-    y, final, *_ = _forward(u, delta, A, B, C, D, z, delta_bias, delta_softplus, cu_seqlens,
-                              initial_state, return_final_state, out_dtype, cfg, False)
+    with INTERPRETER_LOCK:
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+            return _SelectiveScanFn.apply(u, delta, A, B, C, D, z, delta_bias, initial_state,
+                                          delta_softplus, cu_seqlens, return_final_state, out_dtype, cfg)
+        y, final, *_ = _forward(u, delta, A, B, C, D, z, delta_bias, delta_softplus, cu_seqlens,
+                                initial_state, return_final_state, out_dtype, cfg, False)
     return (y, final) if return_final_state else y
 
 

@@ -35,6 +35,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ssmshard.kernels.interpreter import INTERPRETER_LOCK
 from ssmshard.kernels.ssd_scan_bwd import ssd_backward
 from ssmshard.kernels.ssd_scan_fwd import dt_kwargs, ssd_forward
 from ssmshard.kernels.ssd_triton_common import INTERPRET, ChunkTable, next_pow2
@@ -79,8 +80,9 @@ class _SSDScan(torch.autograd.Function):
         flat = _Flat(x, dt, B, C, z)
         dout_flat = None if dout is None else dout.reshape(bsz * l, h, p)
         dfinal = None if dfinal is None else dfinal.float().contiguous()
-        grads = ssd_backward(dout_flat, dfinal, flat.x, flat.dt, A, flat.B, flat.C, D, flat.z, ypre,
-                             initial_states, ctx.table, ctx.dt_args)
+        with INTERPRETER_LOCK:
+            grads = ssd_backward(dout_flat, dfinal, flat.x, flat.dt, A, flat.B, flat.C, D, flat.z, ypre,
+                                 initial_states, ctx.table, ctx.dt_args)
 
         def cast(name, like, shape=None):
             value = grads[name]
@@ -187,8 +189,9 @@ def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size:
            f"dt_limit must be (min, max) with min <= max, got {dt_limit}")
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(torch.int32).contiguous()
-    out, final = _SSDScan.apply(x, dt, A, B, C, D, z, dt_bias, initial_states, cu_seqlens,
-                                int(chunk_size), bool(dt_softplus), dt_min, dt_max, out_dtype)
+    with INTERPRETER_LOCK:
+        out, final = _SSDScan.apply(x, dt, A, B, C, D, z, dt_bias, initial_states, cu_seqlens,
+                                    int(chunk_size), bool(dt_softplus), dt_min, dt_max, out_dtype)
     return (out, final) if return_final_states else out
 
 

@@ -26,8 +26,7 @@ import triton.language as tl
 from ssmshard.kernels.launch_math import cdiv, next_power_of_2
 from ssmshard.kernels.scan_common import softplus
 
-# Read at import, like @triton.jit does: kernels run under the CPU interpreter when set.
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from ssmshard.kernels.interpreter import INTERPRET  # noqa: F401  (re-exported: the SSD kernels read it here)
 
 AUTOTUNE_ENV = "SSMSHARD_SSD_AUTOTUNE"
 # Run config i (modulo each kernel's config count) instead of tuning: for tests and debugging.

@@ -15,8 +15,9 @@ the unsharded captured graph:
 * positions (``arange`` over the sequence length) become the local tokens' global positions, so
   rotary embeddings see them;
 * the ops that mix tokens become their ``sequence_blocks`` counterparts: the causal conv takes
-  its halo from the previous rank, the scans pass states over ranks, attention gathers keys
-  and values (causal by global position);
+  its halo from the previous rank, the scans pass states over ranks (on the Triton kernels
+  when the ``kernels`` option is "triton"), attention gathers keys and values (causal by
+  global position);
 * a packed program's ``cu_seqlens`` stays whole (global offsets) and reaches every conv, scan
   and attention, which keep sequences apart across the chunks;
 * the logits are all-gathered along the sequence (put in sequence order, the padding dropped)
@@ -59,6 +60,8 @@ class _Rewriter:
         self.training = options.get("training", True)
         self.order = options.get("order", "contiguous")
         self.layout = TokenLayout(self.rank, self.world, self.order)
+        # The sequence blocks' scans: "reference" ops or "triton" kernels (Plan.kernel_choice).
+        self.kernels = options.get("kernels", "reference")
         self.inputs = {i.name: i for i in program.inputs}
 
     def call(self, target, args, like, kwargs=None):
@@ -156,13 +159,14 @@ class _Rewriter:
                 a = self._bound(node, "selective_scan", "initial_state")
                 replacement = (sequence_blocks.selective_scan,
                                (a["u"], a["delta"], a["A"], a["B"], a["C"], a["D"], a["z"], a["delta_bias"],
-                                a["delta_softplus"], self.rank, self.group, a.get("cu_seqlens")), {"order": self.order})
+                                a["delta_softplus"], self.rank, self.group, a.get("cu_seqlens")), {"order": self.order, "kernels": self.kernels})
             elif node.target is ssm.ssd_scan.default:
                 a = self._bound(node, "ssd_scan", "initial_states")
+                self._check_kernel_limits(node)
                 replacement = (sequence_blocks.ssd_scan,
                                (a["x"], a["dt"], a["A"], a["B"], a["C"], a["chunk_size"], a["D"], a["dt_bias"],
                                 a["dt_softplus"], a["dt_min"], a["dt_max"], self.rank, self.group,
-                                a.get("cu_seqlens")), {"order": self.order})
+                                a.get("cu_seqlens")), {"order": self.order, "kernels": self.kernels})
             elif node.target is aten.scaled_dot_product_attention.default:
                 replacement = self._attention(node)
             elif node.target in _TOKEN_MIXING_UNSUPPORTED:
@@ -175,6 +179,18 @@ class _Rewriter:
                 new = self.call(fn, args, node, kwargs=kwargs[0] if kwargs else None)
             node.replace_all_uses_with(new)
             self.graph.erase_node(node)
+
+    def _check_kernel_limits(self, node):
+        """A scan the Triton kernel cannot run (``swap_kernels``' static checks) is an error here,
+        before any rank runs, where ``kernels="triton"`` was asked for: the sequence blocks never
+        fall back to the reference op on their own."""
+        from .swap_kernels import KERNELS
+
+        check = KERNELS[node.target][2]
+        why = check(node) if self.kernels == "triton" and check is not None else None
+        if why is not None:
+            raise ShardingError(f"Plan(tsp=..., kernels='triton'): {node.name} cannot run on its Triton kernel "
+                                f"({why}); use kernels='reference'")
 
     def _bound(self, node, name, *must_be_none):
         """The op's arguments by name. ``cu_seqlens`` may only be the packed program's global
