@@ -93,7 +93,11 @@ def test_sharded_causal_conv(world, length, order, fresh_seed):
 @pytest.mark.parametrize("world,length,order", LAYOUTS)
 @pytest.mark.parametrize("groups", [1, 2])
 def test_sharded_selective_scan(world, length, order, groups, fresh_seed):
-    b, d, n = 2, 8, 4
+    _check_selective_scan(world, length, order, 2, 8, groups, "reference", fresh_seed)
+
+
+def _check_selective_scan(world, length, order, b, d, groups, kernels, seed):
+    n = 4
     seq = {"u": (torch.randn(b, d, length), -1), "delta": (torch.randn(b, d, length) * 0.5, -1),
            "B": (torch.randn(b, groups, n, length), -1), "C": (torch.randn(b, groups, n, length), -1),
            "z": (torch.randn(b, d, length), -1)}
@@ -101,13 +105,17 @@ def test_sharded_selective_scan(world, length, order, groups, fresh_seed):
     _compare(lambda u, delta, A, B, C, D, z, bias: torch.ops.ssmshard.selective_scan(
                  u, delta, A, B, C, D, z, bias, True, None)[0],
              lambda u, delta, A, B, C, D, z, bias, rank, group: sequence_blocks.selective_scan(
-                 u, delta, A, B, C, D, z, bias, True, rank, group, order=order)[0],
-             seq, shared, world, -1, fresh_seed, order)
+                 u, delta, A, B, C, D, z, bias, True, rank, group, order=order, kernels=kernels)[0],
+             seq, shared, world, -1, seed, order)
 
 
 @pytest.mark.parametrize("world,length,order", LAYOUTS)
 @pytest.mark.parametrize("groups", [1, 2])
 def test_sharded_ssd_scan(world, length, order, groups, fresh_seed):
+    _check_ssd_scan(world, length, order, groups, "reference", fresh_seed)
+
+
+def _check_ssd_scan(world, length, order, groups, kernels, seed):
     b, h, p, n = 2, 4, 3, 4
     seq = {"x": (torch.randn(b, length, h, p), 1), "dt": (torch.randn(b, length, h) * 0.5, 1),
            "B": (torch.randn(b, length, groups, n), 1), "C": (torch.randn(b, length, groups, n), 1)}
@@ -115,8 +123,8 @@ def test_sharded_ssd_scan(world, length, order, groups, fresh_seed):
     _compare(lambda x, dt, A, B, C, D, bias: torch.ops.ssmshard.ssd_scan(
                  x, dt, A, B, C, 4, D, bias, None, True, 0.0, float("inf"))[0],
              lambda x, dt, A, B, C, D, bias, rank, group: sequence_blocks.ssd_scan(
-                 x, dt, A, B, C, 4, D, bias, True, 0.0, float("inf"), rank, group, order=order)[0],
-             seq, shared, world, 1, fresh_seed, order)
+                 x, dt, A, B, C, 4, D, bias, True, 0.0, float("inf"), rank, group, order=order, kernels=kernels)[0],
+             seq, shared, world, 1, seed, order)
 
 
 @pytest.mark.parametrize("length", [12, 14])
@@ -161,6 +169,10 @@ def _per_sequence(op, cu, dim, sequence_args):
 def test_packed_state_passing_equals_each_sequence_alone(world, length, fresh_seed):
     """Packed rows against each sequence scanned on its own: boundaries on every rank boundary of
     a 3-way split (and one inside a chunk); values and gradients."""
+    _check_packed_scans(world, length, "reference", fresh_seed)
+
+
+def _check_packed_scans(world, length, kernels, seed):
     cu = _packed(length)
     d, n, h, p = 4, 4, 2, 3
     seq = {"u": (torch.randn(1, d, length), -1), "delta": (torch.randn(1, d, length) * 0.5, -1),
@@ -168,15 +180,15 @@ def test_packed_state_passing_equals_each_sequence_alone(world, length, fresh_se
     _compare(_per_sequence(lambda u, delta, A, B, C: torch.ops.ssmshard.selective_scan(
                  u, delta, A, B, C, None, None, None, True, None)[0], cu, -1, seq),
              lambda u, delta, A, B, C, rank, group: sequence_blocks.selective_scan(
-                 u, delta, A, B, C, None, None, None, True, rank, group, cu)[0],
-             seq, {"A": -torch.rand(d, n) - 0.1}, world, -1, fresh_seed)
+                 u, delta, A, B, C, None, None, None, True, rank, group, cu, kernels=kernels)[0],
+             seq, {"A": -torch.rand(d, n) - 0.1}, world, -1, seed)
     seq = {"x": (torch.randn(1, length, h, p), 1), "dt": (torch.randn(1, length, h) * 0.5, 1),
            "B": (torch.randn(1, length, 1, n), 1), "C": (torch.randn(1, length, 1, n), 1)}
     _compare(_per_sequence(lambda x, dt, A, B, C: torch.ops.ssmshard.ssd_scan(
                  x, dt, A, B, C, 4, None, None, None, True, 0.0, float("inf"))[0], cu, 1, seq),
              lambda x, dt, A, B, C, rank, group: sequence_blocks.ssd_scan(
-                 x, dt, A, B, C, 4, None, None, True, 0.0, float("inf"), rank, group, cu)[0],
-             seq, {"A": -torch.rand(h) - 0.1}, world, 1, fresh_seed)
+                 x, dt, A, B, C, 4, None, None, True, 0.0, float("inf"), rank, group, cu, kernels=kernels)[0],
+             seq, {"A": -torch.rand(h) - 0.1}, world, 1, seed)
 
 
 @pytest.mark.parametrize("world,length,order", [(2, 7, "contiguous"), (4, 5, "contiguous"), (2, 7, "zigzag"),
@@ -209,29 +221,12 @@ def test_sharded_selective_scan_on_triton_kernel(world, length, b, groups, order
     """The rerun from the carried-in state (two kernel scans per chunk; z gate, bias, D, grouped
     B/C in the slow case) equals the sequential reference op over the whole sequence: values and
     gradients."""
-    d, n = 4, 4
-    seq = {"u": (torch.randn(b, d, length), -1), "delta": (torch.randn(b, d, length) * 0.5, -1),
-           "B": (torch.randn(b, groups, n, length), -1), "C": (torch.randn(b, groups, n, length), -1),
-           "z": (torch.randn(b, d, length), -1)}
-    shared = {"A": -torch.rand(d, n) - 0.1, "D": torch.randn(d), "bias": torch.randn(d) * 0.1}
-    _compare(lambda u, delta, A, B, C, D, z, bias: torch.ops.ssmshard.selective_scan(
-                 u, delta, A, B, C, D, z, bias, True, None)[0],
-             lambda u, delta, A, B, C, D, z, bias, rank, group: sequence_blocks.selective_scan(
-                 u, delta, A, B, C, D, z, bias, True, rank, group, order=order, kernels="triton")[0],
-             seq, shared, world, -1, fresh_seed, order)
+    _check_selective_scan(world, length, order, b, 4, groups, "triton", fresh_seed)
 
 
 @pytest.mark.parametrize("world,length", [(2, 7), pytest.param(3, 13, marks=pytest.mark.slow)])
 def test_sharded_ssd_scan_on_triton_kernel(world, length, fresh_seed):
-    b, h, p, n, groups = 2, 4, 3, 4, 2
-    seq = {"x": (torch.randn(b, length, h, p), 1), "dt": (torch.randn(b, length, h) * 0.5, 1),
-           "B": (torch.randn(b, length, groups, n), 1), "C": (torch.randn(b, length, groups, n), 1)}
-    shared = {"A": -torch.rand(h) - 0.1, "D": torch.randn(h), "bias": torch.randn(h) * 0.1}
-    _compare(lambda x, dt, A, B, C, D, bias: torch.ops.ssmshard.ssd_scan(
-                 x, dt, A, B, C, 4, D, bias, None, True, 0.0, float("inf"))[0],
-             lambda x, dt, A, B, C, D, bias, rank, group: sequence_blocks.ssd_scan(
-                 x, dt, A, B, C, 4, D, bias, True, 0.0, float("inf"), rank, group, kernels="triton")[0],
-             seq, shared, world, 1, fresh_seed)
+    _check_ssd_scan(world, length, "contiguous", 2, "triton", fresh_seed)
 
 
 @pytest.mark.parametrize("world,length", [(3, 12), pytest.param(3, 14, marks=pytest.mark.slow)])
@@ -239,22 +234,7 @@ def test_packed_state_passing_on_triton_kernels_equals_each_sequence_alone(world
     """Packed rows on the kernels (per-piece initial states of the rerun) against each sequence
     scanned alone by the reference op: a sequence starts on each rank boundary and one inside a
     chunk; values and gradients."""
-    cu = _packed(length)
-    d, n, h, p = 4, 4, 2, 3
-    seq = {"u": (torch.randn(1, d, length), -1), "delta": (torch.randn(1, d, length) * 0.5, -1),
-           "B": (torch.randn(1, n, length), -1), "C": (torch.randn(1, n, length), -1)}
-    _compare(_per_sequence(lambda u, delta, A, B, C: torch.ops.ssmshard.selective_scan(
-                 u, delta, A, B, C, None, None, None, True, None)[0], cu, -1, seq),
-             lambda u, delta, A, B, C, rank, group: sequence_blocks.selective_scan(
-                 u, delta, A, B, C, None, None, None, True, rank, group, cu, kernels="triton")[0],
-             seq, {"A": -torch.rand(d, n) - 0.1}, world, -1, fresh_seed)
-    seq = {"x": (torch.randn(1, length, h, p), 1), "dt": (torch.randn(1, length, h) * 0.5, 1),
-           "B": (torch.randn(1, length, 1, n), 1), "C": (torch.randn(1, length, 1, n), 1)}
-    _compare(_per_sequence(lambda x, dt, A, B, C: torch.ops.ssmshard.ssd_scan(
-                 x, dt, A, B, C, 4, None, None, None, True, 0.0, float("inf"))[0], cu, 1, seq),
-             lambda x, dt, A, B, C, rank, group: sequence_blocks.ssd_scan(
-                 x, dt, A, B, C, 4, None, None, True, 0.0, float("inf"), rank, group, cu, kernels="triton")[0],
-             seq, {"A": -torch.rand(h) - 0.1}, world, 1, fresh_seed)
+    _check_packed_scans(world, length, "triton", fresh_seed)
 
 
 class _Shapes(TorchDispatchMode):
