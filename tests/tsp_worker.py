@@ -9,6 +9,7 @@ import torch
 
 import ssmshard
 from ssmshard.placement import SeqShard, Shard, local_slice
+from ssmshard.comm.ring import ring_linear
 from ssmshard.comm.weights import gather_shards
 from ssmshard.testing import peak_activation_bytes, rel_err
 
@@ -33,11 +34,11 @@ def _within_fp32(got, want, want64, tol) -> bool:
     return rel_err(got.double(), want64) <= 3 * rel_err(want.double(), want64)
 
 
-def tsp_results(rank, world, cases, lengths, seed, out_path, order="contiguous"):
+def tsp_results(rank, world, cases, lengths, seed, out_path, order="contiguous", weights="gather"):
     results = []
     for family, overrides in cases:
         model = small_model(family, **overrides)
-        dm = ssmshard.parallelize(model, ssmshard.Plan(tsp=world, tsp_order=order))
+        dm = ssmshard.parallelize(model, ssmshard.Plan(tsp=world, tsp_order=order, tsp_weights=weights))
         gen = torch.Generator().manual_seed(seed)
         vocab = model.config.vocab_size
         errors = logits_errors(dm, model, lengths, gen)
@@ -68,7 +69,8 @@ def tsp_results(rank, world, cases, lengths, seed, out_path, order="contiguous")
                 beyond.append(fqn)
         model.zero_grad()
         got, want, want64 = torch.cat(got), torch.cat(want), torch.cat(want64)
-        results.append({"family": family, "logits_err": max(errors), "grad_err": rel_err(got, want),
+        rings = sum(n.target is ring_linear for n in dm.program.graph.nodes)
+        results.append({"family": family, "logits_err": max(errors), "grad_err": rel_err(got, want), "rings": rings,
                         "worst_tensor_grad_err": worst, "grad_within_fp32": _within_fp32(got, want, want64, 1e-5),
                         "tensors_beyond_fp32": beyond})
     _write_on_rank0(rank, results, out_path)
