@@ -328,8 +328,8 @@ class Plan:
         if model is not None:
             self.weight_permutations(program, model)  # a wrong head permutation is an error here too
         if self.tsp > 1:
-            lines[0] = (f"Plan(tsp={self.tsp}, tsp_order={self.tsp_order!r}, tsp_weights={self.tsp_weights!r}, vocab_parallel={self.vocab_parallel}) "
-                        f"on {program.family}:")
+            lines[0] = (f"Plan(tsp={self.tsp}, tsp_order={self.tsp_order!r}, tsp_weights={self.tsp_weights!r}, "
+                        f"vocab_parallel={self.vocab_parallel}) on {program.family}:")
         for fqn, spec, block, rule, family in self._rules_by_weight(program):
             where = f"block={block} role={spec.role}"
             placement = ""

@@ -11,8 +11,8 @@ the unsharded captured graph:
   tokens, every view and allocation included;
 * every read of a sharded weight is preceded by ``comm.weights.gather_shards`` (the whole
   weight, in flight only for that op), or, under ``weights="ring"``, a linear layer becomes
-  ``comm.ring.ring_linear`` over the local shard (the shards go around the ranks); a replicated parameter gets a ``tp_copy`` (its gradient
-  sums over the ranks' tokens);
+  ``comm.ring.ring_linear`` over the local shard (the shards go around the ranks); a replicated
+  parameter gets a ``tp_copy`` (its gradient sums over the ranks' tokens);
 * positions (``arange`` over the sequence length) become the local tokens' global positions, so
   rotary embeddings see them;
 * the ops that mix tokens become their ``sequence_blocks`` counterparts: the causal conv takes
