@@ -104,23 +104,27 @@ def test_tsp_weight_shards_and_activation_memory(tmp_path):
 GENERATE_FAST = ["zamba2"]
 
 
-@pytest.mark.parametrize("world,families,order", [
-    (2, GENERATE_FAST, "contiguous"),
-    pytest.param(2, [f for f in SIX_FAMILIES if f not in GENERATE_FAST], "contiguous", marks=pytest.mark.slow),
-    pytest.param(3, SIX_FAMILIES, "contiguous", marks=pytest.mark.slow),
+@pytest.mark.parametrize("world,families,order,weights", [
+    (2, GENERATE_FAST, "contiguous", "gather"),
+    pytest.param(2, [f for f in SIX_FAMILIES if f not in GENERATE_FAST], "contiguous", "gather",
+                 marks=pytest.mark.slow),
+    pytest.param(3, SIX_FAMILIES, "contiguous", "gather", marks=pytest.mark.slow),
     # A zigzag plan's forward order; its prefill program keeps the contiguous order (docs/tsp.md).
-    pytest.param(2, GENERATE_FAST, "zigzag", marks=pytest.mark.slow)])
-def test_tsp_prefill_then_greedy_generate_equals_hf(world, families, order, tmp_path, fresh_seed):
+    pytest.param(2, GENERATE_FAST, "zigzag", "gather", marks=pytest.mark.slow),
+    # The prefill program's linear layers through the ring of weight shards.
+    pytest.param(2, GENERATE_FAST, "contiguous", "ring", marks=pytest.mark.slow)])
+def test_tsp_prefill_then_greedy_generate_equals_hf(world, families, order, weights, tmp_path, fresh_seed):
     """Prefill with the prompt's tokens split over the ranks, then greedy decode (TP decode program
     over the same shards): HF's tokens, and the prefill's last-token logits within 1e-5."""
     cases = [(family, TP3[family] if world == 3 else {}) for family in families]
     out = tmp_path / "gen.json"
-    ssmshard.launch(tsp_worker.generate_results, world, cases, fresh_seed, str(out), order)
+    ssmshard.launch(tsp_worker.generate_results, world, cases, fresh_seed, str(out), order, weights)
     for rank, results in enumerate(json.loads(out.read_text())):
         assert [r["family"] for r in results] == families
         for r in results:
-            where = (r["family"], f"tsp={world} rank {rank} seed {fresh_seed}")
+            where = (r["family"], f"tsp={world} {weights} rank {rank} seed {fresh_seed}")
             assert r["sequence_sharded"], where
+            assert (r["rings"] > 0) == (weights == "ring"), where
             assert all(r["equal"]), (where, r)
             assert max(r["prefill_err"]) < 1e-5, (where, r)
 

@@ -114,7 +114,7 @@ def memory_results(rank, world, cases, lengths, out_path):
     _write_on_rank0(rank, results, out_path)
 
 
-def generate_results(rank, world, cases, seed, out_path, order="contiguous"):
+def generate_results(rank, world, cases, seed, out_path, order="contiguous", weights="gather"):
     """Greedy generation of a TSP DistributedModule against HF's: the prompt is prefilled with its
     tokens split over the ranks (the TSP prefill program), decoded by the TP decode program over
     the same weight shards. Prompts: a left-padded batch (lengths 5, 12, 9) and an unpadded batch
@@ -128,10 +128,11 @@ def generate_results(rank, world, cases, seed, out_path, order="contiguous"):
     for family, overrides in cases:
         model = small_model(family, **overrides)
         vocab = model.config.vocab_size
-        dm = ssmshard.parallelize(model, ssmshard.Plan(tsp=world, tsp_order=order))
+        dm = ssmshard.parallelize(model, ssmshard.Plan(tsp=world, tsp_order=order, tsp_weights=weights))
         prefill, _ = dm.generation_programs()
         result = {"family": family, "sequence_sharded": isinstance(prefill, SequenceShardedPrefill)
-                  and prefill.program.shard["policy"] == "tsp", "equal": [], "prefill_err": []}
+                  and prefill.program.shard["policy"] == "tsp", "equal": [], "prefill_err": [],
+                  "rings": sum(n.target is ring_linear for n in prefill.program.graph.nodes)}
         padded = left_padded_prompts(vocab, (5, 12, 9), seed)
         short = (torch.randint(1, vocab, (2, 3), generator=torch.Generator().manual_seed(seed)), None)
         for ids, mask in (padded, short):
