@@ -82,6 +82,11 @@ class PendingShifts:
     def __init__(self, received: list, works: tuple = (), on_wait=None):
         self._received, self._works, self._on_wait = received, works, on_wait
 
+    @property
+    def buffers(self) -> list:
+        """The tensors the shifts receive into (allocated now, filled once :meth:`wait` returns)."""
+        return self._received
+
     def wait(self) -> list:
         if self._on_wait is not None:
             self._on_wait(self._works)

@@ -15,7 +15,8 @@ step's matmul does.
   ``x[..., the shard's columns] @ shard^T`` into an accumulator.
 
 A segment cut into fewer than ``D`` pieces is held by several ranks; each of its pieces is used
-from the first rank holding it (``gathered_ranges``'s choice), so every row of ``W`` is used once.
+from the first rank holding it (``comm.weights.weight_pieces``, the gather's choice too), so
+every row of ``W`` is used once.
 
 Backward runs two rings per step: the shards again (``grad_x`` from the shard in use), and a
 gradient accumulator per owner travelling the other way (to rank ``r - 1``): at step ``k`` rank
@@ -37,19 +38,17 @@ from torch import Tensor
 
 from ..placement import Shard
 from .groups import backend_of, rank_of, world_of
+from .weights import weight_pieces
 
 
 def ring_layout(placement: Shard, world: int) -> list[int]:
-    """``(owner, local_start, whole_start, length)`` flattened, for each piece of the whole weight
-    along ``placement.dim``: which rank's shard it is used from (the first rank holding it), where
-    it sits in that shard and in the whole weight."""
-    layout, inner, whole = [], 0, 0
-    for seg in placement.segments:
-        for piece in range(seg.pieces):
-            layout += [piece * seg.stride, inner, whole + piece * seg.local, seg.local]
-        inner += seg.local
-        whole += seg.size
-    return layout
+    """:func:`~ssmshard.comm.weights.weight_pieces` flattened (a custom op takes a list of ints):
+    which rank's shard each piece of the whole weight is used from, and where it sits in that
+    shard and in the whole weight. ``world`` is checked against the placement's pieces."""
+    pieces = weight_pieces(placement)
+    if any(owner >= world for owner, *_ in pieces):
+        raise ValueError(f"{placement} names ranks beyond a ring of {world}")
+    return [value for piece in pieces for value in piece]
 
 
 def _pieces_by_owner(layout: list[int], world: int) -> list[list[tuple[int, int, int]]]:
@@ -67,7 +66,8 @@ _RECORDERS: list[dict] = []
 @contextlib.contextmanager
 def record_shards_in_flight():
     """Within the block, the peak bytes of received weight shards alive at once on this rank
-    (``{"peak_bytes": .., "shard_bytes": ..}``), tracked by the received tensors' lifetimes."""
+    (``{"peak_bytes": .., "shard_bytes": ..}``), each counted from the allocation of its receive
+    buffer until the tensor is freed (its lifetime, not a formula)."""
     record = {"live": 0, "peak_bytes": 0, "shard_bytes": 0}
     _RECORDERS.append(record)
     try:
@@ -76,14 +76,17 @@ def record_shards_in_flight():
         _RECORDERS.remove(record)
 
 
-def _tracked(shard: Tensor) -> Tensor:
+def _tracked(pending):
+    """``pending`` (started shifts, the weight shard's first), its arriving shard counted alive
+    from its allocation until it is freed."""
+    shard = pending.buffers[0]
+    size = shard.numel() * shard.element_size()
     for record in _RECORDERS:
-        size = shard.numel() * shard.element_size()
         record["live"] += size
         record["peak_bytes"] = max(record["peak_bytes"], record["live"])
         record["shard_bytes"] = max(record["shard_bytes"], size)
         weakref.finalize(shard, _release, record, size)
-    return shard
+    return pending
 
 
 def _release(record: dict, size: int) -> None:
@@ -105,14 +108,14 @@ def ring_matmul(x: Tensor, shard: Tensor, dim: int, whole: int, layout: list[int
     out = x.new_zeros((*x.shape[:-1], _output_width(shard, dim, whole)))
     current = shard
     for step in range(world):
-        pending = backend.start_shifts([(current, 1)]) if step < world - 1 else None
+        pending = _tracked(backend.start_shifts([(current, 1)])) if step < world - 1 else None
         for local, start, length in pieces[(rank - step) % world]:
             if dim == 0:
                 out.narrow(-1, start, length).copy_(F.linear(x, current.narrow(0, local, length)))
             else:
                 out.add_(F.linear(x.narrow(-1, start, length), current.narrow(1, local, length)))
         if pending is not None:
-            current = _tracked(pending.wait()[0])
+            current = pending.wait()[0]
     return out
 
 
@@ -139,7 +142,7 @@ def ring_matmul_backward(grad: Tensor, x: Tensor, shard: Tensor, dim: int, layou
             else:
                 accumulated.narrow(1, local, length).add_(grad_tokens.T @ tokens.narrow(-1, start, length))
         last = step == world - 1
-        pending = None if last else backend.start_shifts([(current, 1), (accumulated, -1)])
+        pending = None if last else _tracked(backend.start_shifts([(current, 1), (accumulated, -1)]))
         for local, start, length in pieces[(rank - step) % world]:
             if dim == 0:
                 grad_x.add_(grad.narrow(-1, start, length) @ current.narrow(0, local, length))
@@ -147,7 +150,6 @@ def ring_matmul_backward(grad: Tensor, x: Tensor, shard: Tensor, dim: int, layou
                 grad_x.narrow(-1, start, length).add_(grad @ current.narrow(1, local, length))
         if pending is not None:
             current, accumulated = pending.wait()
-            current = _tracked(current)
     return grad_x, accumulated
 
 
