@@ -185,16 +185,16 @@ def packed_results(rank, world, families, packings, seed, out_path):
 
 def ring_linear_results(rank, world, cases, seed, out_path):
     """``comm.ring.ring_linear`` on this rank's tokens against ``F.linear`` with the whole weight,
-    per ``(name, placement, shape)`` case (``_ring_linear_case``), on the launched process group."""
+    per ``(name, placement, shape)`` case (``ring_linear_case``), on the launched process group."""
     with registered(RING_GROUP, dist.group.WORLD):
-        results = [_ring_linear_case(rank, world, *case, seed) for case in cases]
+        results = [ring_linear_case(rank, world, *case, seed) for case in cases]
     _write_on_rank0(rank, results, out_path)
 
 
 RING_GROUP = "tsp_ring_test"
 
 
-def _ring_linear_case(rank, world, name, placement, shape, seed):
+def ring_linear_case(rank, world, name, placement, shape, seed):
     """The output and the gradients of the tokens and of the bias against ``F.linear`` with the
     whole weight; the weight shard's gradient against the all-gather schedule's (``gather_shards``:
     its reduce-scatter sums each shard's rows over every rank's tokens) and, where every segment is

@@ -30,6 +30,7 @@ Autograd saves ``x`` and the local shard, never the whole weight.
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 
 import torch
@@ -60,7 +61,14 @@ def _pieces_by_owner(layout: list[int], world: int) -> list[list[tuple[int, int,
 
 
 # --------------------------------------------------------------------------- instrumentation
-_RECORDERS: list[dict] = []
+# Per thread: the ranks of a SimulatedGroup are threads of one process, each with its own count.
+_RECORDERS = threading.local()
+
+
+def _recorders() -> list[dict]:
+    if not hasattr(_RECORDERS, "active"):
+        _RECORDERS.active = []
+    return _RECORDERS.active
 
 
 @contextlib.contextmanager
@@ -69,11 +77,11 @@ def record_shards_in_flight():
     (``{"peak_bytes": .., "shard_bytes": ..}``), each counted from the allocation of its receive
     buffer until the tensor is freed (its lifetime, not a formula)."""
     record = {"live": 0, "peak_bytes": 0, "shard_bytes": 0}
-    _RECORDERS.append(record)
+    _recorders().append(record)
     try:
         yield record
     finally:
-        _RECORDERS.remove(record)
+        _recorders().remove(record)
 
 
 def _tracked(pending):
@@ -81,7 +89,7 @@ def _tracked(pending):
     from its allocation until it is freed."""
     shard = pending.buffers[0]
     size = shard.numel() * shard.element_size()
-    for record in _RECORDERS:
+    for record in _recorders():
         record["live"] += size
         record["peak_bytes"] = max(record["peak_bytes"], record["live"])
         record["shard_bytes"] = max(record["shard_bytes"], size)
