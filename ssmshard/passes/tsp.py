@@ -282,11 +282,12 @@ class _Rewriter:
 
 
 def _ring_reads(user, weight, placement) -> bool:
-    """Whether ``user`` is a linear layer (not the logits' head, which reads the vocabulary
-    whole on each rank either way) reading ``weight`` as its matrix split along one of its two dims."""
-    reads_as_matrix_only = user.args[1] is weight and weight not in (user.args[0], *user.args[2:])
-    return (user.target is aten.linear.default and reads_as_matrix_only and placement.dim in (0, 1)
-            and user.meta.get("ssmshard", {}).get("role") != "lm_head")
+    """Whether ``user`` is a linear layer reading ``weight`` as its matrix (only there), split
+    along one of its two dims. The logits head is left to the gather (docs/tsp.md)."""
+    if user.target is not aten.linear.default or user.meta.get("ssmshard", {}).get("role") == "lm_head":
+        return False
+    x, matrix, *rest = user.args
+    return matrix is weight and weight is not x and weight not in rest and placement.dim in (0, 1)
 
 
 def _same_size(a, b) -> bool:
