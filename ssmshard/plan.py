@@ -26,6 +26,8 @@ from .token_layout import ORDERS as TSP_ORDERS
 
 # Passes a plan runs only to make its programs faster; ``Plan(skip_passes=[...])`` leaves them out.
 OPTIONAL_PASSES = ("fuse_rmsnorm", "inplace_decode_states", "fold_weights")
+# How a linear layer under Plan(tsp=D) reads a sharded weight (docs/tsp.md).
+TSP_WEIGHT_SCHEDULES = ("gather", "ring")
 
 
 class PlanError(ValueError):
@@ -90,6 +92,10 @@ class Plan:
     chunk ``r`` of ``tsp``) or ``"zigzag"`` (chunks ``r`` and ``2 tsp - 1 - r`` of ``2 tsp``, so
     causal attention gives every rank the same work; unpacked forward programs, prefill keeps the
     contiguous order: docs/tsp.md).
+    ``tsp_weights``: how a linear layer reads a sharded weight under ``tsp``: ``"gather"`` (the
+    whole weight all-gathered for that op) or ``"ring"`` (the shards passed around the ranks, two
+    in flight at once, point-to-point transfers overlapping the matmuls: ``comm.ring``). Other ops
+    reading a sharded weight gather it under either (docs/tsp.md).
 
     ``skip_passes``: optimisation passes (``OPTIONAL_PASSES``) to leave out of every program, to
     measure what they bring or to rule one out; the results do not change, only the speed. They
@@ -120,6 +126,7 @@ class Plan:
     head_permutations: object = None
     tsp: int = 1
     tsp_order: str = "contiguous"
+    tsp_weights: str = "gather"
     # Optimisation passes to leave out (``OPTIONAL_PASSES``): to compare against, or to rule one out
     # when a program misbehaves. The sharding and sync-point passes are the plan itself.
     skip_passes: list = dataclasses.field(default_factory=list)
@@ -138,6 +145,12 @@ class Plan:
         if self.tsp_order != "contiguous" and self.tsp == 1:
             raise PlanError(f"tsp_order={self.tsp_order!r} orders the tokens of Plan(tsp=D) with D > 1; set tsp "
                             "or leave tsp_order out")
+        if self.tsp_weights not in TSP_WEIGHT_SCHEDULES:
+            raise PlanError(f"tsp_weights must be one of {', '.join(map(repr, TSP_WEIGHT_SCHEDULES))}, got "
+                            f"{self.tsp_weights!r}")
+        if self.tsp_weights != "gather" and self.tsp == 1:
+            raise PlanError(f"tsp_weights={self.tsp_weights!r} schedules the weight shards of Plan(tsp=D) with D > 1; "
+                            "set tsp or leave tsp_weights out")
         if self.tsp > 1:
             self._check_tsp()
         if self.kernels not in ("auto", "triton", "reference"):
@@ -243,7 +256,7 @@ class Plan:
         ``swap_kernels`` retargets the SSM ops left in the program (the norms)."""
         steps = [("tsp", {"placements": placements, "rank": rank, "tsp": self.tsp, "group": group,
                           "training": self.training, "order": order,
-                          "kernels": kernels})]
+                          "weights": self.tsp_weights, "kernels": kernels})]
         if kernels == "triton":
             steps.append(("swap_kernels", {"kernels": "triton"}))
         return steps
@@ -313,8 +326,8 @@ class Plan:
         if model is not None:
             self.weight_permutations(program, model)  # a wrong head permutation is an error here too
         if self.tsp > 1:
-            lines[0] = (f"Plan(tsp={self.tsp}, tsp_order={self.tsp_order!r}, vocab_parallel={self.vocab_parallel}) "
-                        f"on {program.family}:")
+            lines[0] = (f"Plan(tsp={self.tsp}, tsp_order={self.tsp_order!r}, tsp_weights={self.tsp_weights!r}, "
+                        f"vocab_parallel={self.vocab_parallel}) on {program.family}:")
         for fqn, spec, block, rule, family in self._rules_by_weight(program):
             where = f"block={block} role={spec.role}"
             placement = ""

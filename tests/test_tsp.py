@@ -30,7 +30,7 @@ def test_tsp_equals_eager_and_unsharded_gradients(world, tmp_path, fresh_seed):
     _check_logits_and_gradients(world, cases, [1, world + 1, 13], "contiguous", tmp_path, fresh_seed)
 
 
-def _check_logits_and_gradients(world, cases, lengths, order, tmp_path, seed):
+def _check_logits_and_gradients(world, cases, lengths, order, tmp_path, seed, weights="gather"):
     """Logits within 1e-5 of HF eager. Gradients: each rank's whole gradient vector within 1e-5 of
     the slices of HF's fp32 gradient (each tensor within 1e-4), or, where HF's fp32 gradient is
     itself that far from its fp64 one, no further from the fp64 gradient than 3x HF's fp32 is
@@ -39,11 +39,12 @@ def _check_logits_and_gradients(world, cases, lengths, order, tmp_path, seed):
     contiguous), and a small-norm ``A_log`` slice (its tokens' contributions cancel) 4.5e-5 from it
     (seed 3298735629; ours 1.28e-4 zigzag)."""
     out = tmp_path / "tsp.json"
-    ssmshard.launch(tsp_worker.tsp_results, world, cases, lengths, seed, str(out), order)
+    ssmshard.launch(tsp_worker.tsp_results, world, cases, lengths, seed, str(out), order, weights)
     for rank, results in enumerate(json.loads(out.read_text())):
         assert [r["family"] for r in results] == [family for family, _ in cases]
         for r in results:
-            where = f"{r['family']} tsp={world} {order} rank {rank} (seed {seed})"
+            where = f"{r['family']} tsp={world} {order} {weights} rank {rank} (seed {seed})"
+            assert (r["rings"] > 0) == (weights == "ring"), (where, r)
             assert r["logits_err"] < 1e-5, (where, r)
             assert r["grad_within_fp32"] and not r["tensors_beyond_fp32"], (where, r)
 
@@ -59,6 +60,17 @@ def test_tsp_zigzag_equals_eager_and_unsharded_gradients(world, cases, lengths, 
     the halo spans chunks), and one with chunks at least as long as the halo (one shift per chunk;
     the last rank's second chunk takes its halo from its own first)."""
     _check_logits_and_gradients(world, cases, lengths, "zigzag", tmp_path, fresh_seed)
+
+
+@pytest.mark.parametrize("world,cases,lengths", [
+    (2, [("mamba2", {})], [1, 13]),
+    pytest.param(2, [("llama", {}), ("mamba", {}), ("zamba2", {}), ("mamba2", ONE_GROUP[2])], [1, 3, 13],
+                 marks=pytest.mark.slow),
+    pytest.param(3, [("mamba2", TP3["mamba2"]), ("llama", TP3["llama"])], [1, 4, 13], marks=pytest.mark.slow)])
+def test_tsp_ring_weights_equal_eager_and_unsharded_gradients(world, cases, lengths, tmp_path, fresh_seed):
+    """``tsp_weights="ring"``: every linear layer reads its weight through ``comm.ring.ring_linear``
+    (the worker counts them), with the logits and each rank's gradients checked as above."""
+    _check_logits_and_gradients(world, cases, lengths, "contiguous", tmp_path, fresh_seed, weights="ring")
 
 
 def test_tsp_weight_shards_and_activation_memory(tmp_path):
@@ -92,23 +104,27 @@ def test_tsp_weight_shards_and_activation_memory(tmp_path):
 GENERATE_FAST = ["zamba2"]
 
 
-@pytest.mark.parametrize("world,families,order", [
-    (2, GENERATE_FAST, "contiguous"),
-    pytest.param(2, [f for f in SIX_FAMILIES if f not in GENERATE_FAST], "contiguous", marks=pytest.mark.slow),
-    pytest.param(3, SIX_FAMILIES, "contiguous", marks=pytest.mark.slow),
+@pytest.mark.parametrize("world,families,order,weights", [
+    (2, GENERATE_FAST, "contiguous", "gather"),
+    pytest.param(2, [f for f in SIX_FAMILIES if f not in GENERATE_FAST], "contiguous", "gather",
+                 marks=pytest.mark.slow),
+    pytest.param(3, SIX_FAMILIES, "contiguous", "gather", marks=pytest.mark.slow),
     # A zigzag plan's forward order; its prefill program keeps the contiguous order (docs/tsp.md).
-    pytest.param(2, GENERATE_FAST, "zigzag", marks=pytest.mark.slow)])
-def test_tsp_prefill_then_greedy_generate_equals_hf(world, families, order, tmp_path, fresh_seed):
+    pytest.param(2, GENERATE_FAST, "zigzag", "gather", marks=pytest.mark.slow),
+    # The prefill program's linear layers through the ring of weight shards.
+    pytest.param(2, GENERATE_FAST, "contiguous", "ring", marks=pytest.mark.slow)])
+def test_tsp_prefill_then_greedy_generate_equals_hf(world, families, order, weights, tmp_path, fresh_seed):
     """Prefill with the prompt's tokens split over the ranks, then greedy decode (TP decode program
     over the same shards): HF's tokens, and the prefill's last-token logits within 1e-5."""
     cases = [(family, TP3[family] if world == 3 else {}) for family in families]
     out = tmp_path / "gen.json"
-    ssmshard.launch(tsp_worker.generate_results, world, cases, fresh_seed, str(out), order)
+    ssmshard.launch(tsp_worker.generate_results, world, cases, fresh_seed, str(out), order, weights)
     for rank, results in enumerate(json.loads(out.read_text())):
         assert [r["family"] for r in results] == families
         for r in results:
-            where = (r["family"], f"tsp={world} rank {rank} seed {fresh_seed}")
+            where = (r["family"], f"tsp={world} {weights} rank {rank} seed {fresh_seed}")
             assert r["sequence_sharded"], where
+            assert (r["rings"] > 0) == (weights == "ring"), where
             assert all(r["equal"]), (where, r)
             assert max(r["prefill_err"]) < 1e-5, (where, r)
 
@@ -154,6 +170,10 @@ def test_tsp_plan_errors_before_launch():
         ssmshard.Plan(tsp=2, tsp_order="ring")
     with pytest.raises(PlanError, match="D > 1"):
         ssmshard.Plan(tsp_order="zigzag")
+    with pytest.raises(PlanError, match="tsp_weights must be one of 'gather', 'ring', got 'broadcast'"):
+        ssmshard.Plan(tsp=2, tsp_weights="broadcast")
+    with pytest.raises(PlanError, match="tsp_weights='ring' schedules the weight shards of Plan\\(tsp=D\\) with D > 1"):
+        ssmshard.Plan(tsp_weights="ring")
     with pytest.raises(PlanError, match="packed=True runs packed rows under Plan\\(tsp_order='contiguous'\\) only"):
         ssmshard.parallelize(small_model("mamba2"), ssmshard.Plan(tsp=2, tsp_order="zigzag"), packed=True)
     # D is checked against heads and groups by the layout, before any process group exists.

@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ssmshard
 from ssmshard.capture import capture
+from ssmshard.comm import CollectiveBackend
 from ssmshard.testing import rel_err
 
 from conftest import small_model
@@ -125,24 +126,38 @@ class _ReceivedBytes(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("family,order", [("mamba2", "contiguous"), ("llama", "contiguous"), ("mamba2", "zigzag")])
-def test_explain_tsp_bytes_equal_the_collectives_measured(family, order):
+@pytest.mark.parametrize("family,order,weights", [
+    ("mamba2", "contiguous", "gather"), ("llama", "contiguous", "gather"), ("mamba2", "zigzag", "gather"),
+    ("mamba2", "contiguous", "ring"), pytest.param("llama", "contiguous", "ring", marks=pytest.mark.slow)])
+def test_explain_tsp_bytes_equal_the_collectives_measured(family, order, weights, monkeypatch):
     """``plan.explain``'s TSP total (weights, halos, scan states, keys and values, logits) equals
     the bytes each rank's collectives receive in one forward pass, counted at run time (batch 2,
-    16 tokens: chunks of 8, or of 4 under zigzag, so every halo comes by one shift)."""
+    16 tokens: chunks of 8, or of 4 under zigzag, so every halo comes by one shift). Under
+    ``tsp_weights="ring"`` the linear layers' shards arrive through the ring's point-to-point
+    shifts inside ``ring_matmul`` (below the ops the dispatch mode sees): counted where the
+    backend starts them; the total is the all-gather's."""
     model = small_model(family)
     world, batch, seq = 2, 2, 16
-    plan = ssmshard.Plan(tsp=world, tsp_order=order)
+    plan = ssmshard.Plan(tsp=world, tsp_order=order, tsp_weights=weights)
     mesh = ssmshard.SimulatedMesh(model, plan)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq))
+    ring_bytes = [0] * world
+    start_shifts = CollectiveBackend.start_shifts
+
+    def counted_start_shifts(backend, sends):
+        ring_bytes[backend.rank()] += sum(x.numel() * x.element_size() for x, _ in sends)
+        return start_shifts(backend, sends)
+
+    monkeypatch.setattr(CollectiveBackend, "start_shifts", counted_start_shifts)
 
     def received(dm):
         counter = _ReceivedBytes(world)
         with torch.no_grad(), counter:
             dm(ids)
-        return counter.total
+        return counter.total + ring_bytes[dm.rank]
 
     measured = mesh.run(received)
+    assert all((sent > 0) == (weights == "ring") for sent in ring_bytes), ring_bytes
     text = plan.explain(capture(model, mode="forward"), model, batch=batch, seq=seq)
     total = next(line for line in text[text.index("TP vs TSP"):].splitlines() if line.split()[:1] == ["total"])
     assert measured == [int(total.split()[2].replace(",", ""))] * world, (family, measured, total)

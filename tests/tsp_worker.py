@@ -1,15 +1,20 @@
-"""Worker for tests/test_tsp.py: each rank runs ``Plan(tsp=N)`` on the six families and records
-logits errors against HF eager, gradient errors against the unsharded model's gradient slices,
-weight counts and activation bytes."""
+"""Worker for tests/test_tsp.py and tests/test_tsp_ring.py: each rank runs ``Plan(tsp=N)`` on the
+six families and records logits errors against HF eager, gradient errors against the unsharded
+model's gradient slices, weight counts and activation bytes; and ``comm.ring.ring_linear`` alone
+against a linear of the whole weight."""
 
 import copy
 import json
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
 import ssmshard
+from ssmshard.comm import registered
+from ssmshard.comm.ring import record_shards_in_flight, ring_layout, ring_linear
 from ssmshard.placement import SeqShard, Shard, local_slice
-from ssmshard.comm.weights import gather_shards
+from ssmshard.comm.weights import gather_shards, gathered_ranges
 from ssmshard.testing import peak_activation_bytes, rel_err
 
 from conftest import small_model
@@ -33,11 +38,11 @@ def _within_fp32(got, want, want64, tol) -> bool:
     return rel_err(got.double(), want64) <= 3 * rel_err(want.double(), want64)
 
 
-def tsp_results(rank, world, cases, lengths, seed, out_path, order="contiguous"):
+def tsp_results(rank, world, cases, lengths, seed, out_path, order="contiguous", weights="gather"):
     results = []
     for family, overrides in cases:
         model = small_model(family, **overrides)
-        dm = ssmshard.parallelize(model, ssmshard.Plan(tsp=world, tsp_order=order))
+        dm = ssmshard.parallelize(model, ssmshard.Plan(tsp=world, tsp_order=order, tsp_weights=weights))
         gen = torch.Generator().manual_seed(seed)
         vocab = model.config.vocab_size
         errors = logits_errors(dm, model, lengths, gen)
@@ -53,7 +58,8 @@ def tsp_results(rank, world, cases, lengths, seed, out_path, order="contiguous")
         (exact(ids).logits * probe.double()).sum().backward()
         errors_of_grads = gradient_errors(dm, model, rank, exact)
         model.zero_grad()
-        results.append({"family": family, "logits_err": max(errors), **errors_of_grads})
+        rings = sum(n.target is ring_linear for n in dm.program.graph.nodes)
+        results.append({"family": family, "logits_err": max(errors), "rings": rings, **errors_of_grads})
     _write_on_rank0(rank, results, out_path)
 
 
@@ -119,7 +125,7 @@ def memory_results(rank, world, cases, lengths, out_path):
     _write_on_rank0(rank, results, out_path)
 
 
-def generate_results(rank, world, cases, seed, out_path, order="contiguous"):
+def generate_results(rank, world, cases, seed, out_path, order="contiguous", weights="gather"):
     """Greedy generation of a TSP DistributedModule against HF's: the prompt is prefilled with its
     tokens split over the ranks (the TSP prefill program), decoded by the TP decode program over
     the same weight shards. Prompts: a left-padded batch (lengths 5, 12, 9) and an unpadded batch
@@ -133,10 +139,11 @@ def generate_results(rank, world, cases, seed, out_path, order="contiguous"):
     for family, overrides in cases:
         model = small_model(family, **overrides)
         vocab = model.config.vocab_size
-        dm = ssmshard.parallelize(model, ssmshard.Plan(tsp=world, tsp_order=order))
+        dm = ssmshard.parallelize(model, ssmshard.Plan(tsp=world, tsp_order=order, tsp_weights=weights))
         prefill, _ = dm.generation_programs()
         result = {"family": family, "sequence_sharded": isinstance(prefill, SequenceShardedPrefill)
-                  and prefill.program.shard["policy"] == "tsp", "equal": [], "prefill_err": []}
+                  and prefill.program.shard["policy"] == "tsp", "equal": [], "prefill_err": [],
+                  "rings": sum(n.target is ring_linear for n in prefill.program.graph.nodes)}
         padded = left_padded_prompts(vocab, (5, 12, 9), seed)
         short = (torch.randint(1, vocab, (2, 3), generator=torch.Generator().manual_seed(seed)), None)
         for ids, mask in (padded, short):
@@ -185,3 +192,53 @@ def packed_results(rank, world, families, packings, seed, out_path):
             results.append({"family": family, "lengths": lengths, "logits_err": max(errors),
                             "grad_err": rel_err(torch.cat(got), torch.cat(want))})
     _write_on_rank0(rank, results, out_path)
+
+
+def ring_linear_results(rank, world, cases, seed, out_path):
+    """``comm.ring.ring_linear`` on this rank's tokens against ``F.linear`` with the whole weight,
+    per ``(name, placement, shape)`` case (``ring_linear_case``), on the launched process group."""
+    with registered(RING_GROUP, dist.group.WORLD):
+        results = [ring_linear_case(rank, world, *case, seed) for case in cases]
+    _write_on_rank0(rank, results, out_path)
+
+
+RING_GROUP = "tsp_ring_test"
+
+
+def ring_linear_case(rank, world, name, placement, shape, seed):
+    """The output and the gradients of the tokens and of the bias against ``F.linear`` with the
+    whole weight; the weight shard's gradient against the all-gather schedule's (``gather_shards``:
+    its reduce-scatter sums each shard's rows over every rank's tokens) and, where every segment is
+    cut ``world`` ways, against this rank's slice of the whole weight's gradient over every rank's
+    tokens. Also the peak bytes of received weight shards alive at once over forward and backward
+    (``record_shards_in_flight``)."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(*shape, generator=gen)
+    bias = torch.randn(shape[0], generator=gen)
+    # Every rank draws every rank's tokens and probes, so each can compute the whole weight's gradient.
+    tokens = [torch.randn(2, 5, shape[1], generator=gen) for _ in range(world)]
+    probes = [torch.randn(2, 5, shape[0], generator=gen) for _ in range(world)]
+
+    def run(read_weight):
+        shard = local_slice(weight, placement, rank).clone().requires_grad_()
+        x, b = tokens[rank].clone().requires_grad_(), bias.clone().requires_grad_()
+        out = read_weight(x, shard, b)
+        (out * probes[rank]).sum().backward()
+        return out.detach(), x.grad, shard.grad, b.grad
+
+    with record_shards_in_flight() as record:
+        out, grad_x, grad_shard, grad_bias = run(lambda x, shard, b: ring_linear(
+            x, shard, b, placement.dim, shape[placement.dim], ring_layout(placement, world), RING_GROUP))
+    ranges = gathered_ranges(placement, world)
+    _, _, gather_grad, _ = run(lambda x, shard, b: F.linear(x, gather_shards(shard, placement.dim, ranges,
+                                                                             RING_GROUP), b))
+    whole = weight.clone().requires_grad_()
+    x, b = tokens[rank].clone().requires_grad_(), bias.clone().requires_grad_()
+    want = F.linear(x, whole, b)
+    (want * probes[rank]).sum().backward()
+    whole_grad = sum(torch.autograd.grad((F.linear(t, whole) * p).sum(), whole)[0] for t, p in zip(tokens, probes))
+    even = all(seg.pieces == world for seg in placement.segments)
+    return {"name": name, "out_err": rel_err(out, want), "grad_x_err": rel_err(grad_x, x.grad),
+            "grad_bias_err": rel_err(grad_bias, b.grad), "grad_shard_vs_gather": rel_err(grad_shard, gather_grad),
+            "grad_shard_vs_whole": rel_err(grad_shard, local_slice(whole_grad, placement, rank)) if even else None,
+            "peak_bytes": record["peak_bytes"], "shard_bytes": record["shard_bytes"]}

@@ -5,6 +5,8 @@
 * :mod:`.simulated`: all ranks as threads of one process (:func:`run_simulated`).
 * :mod:`.ops`: the ``torch.ops.ssmshard`` collectives with fake kernels and autograd; its
   docstring tables every op's forward, backward and gradient convention.
+* :mod:`.weights` / :mod:`.ring`: under ``Plan(tsp=D)``, a whole weight all-gathered from the
+  shards where an op reads it, or a linear layer computed from the shards passed around the ranks.
 * :mod:`.quantized`: the block-scaled int8 / fp8 two-shot all-reduce, its error bound and a
   recorder of bytes sent and errors per sync point.
 """

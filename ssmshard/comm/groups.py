@@ -68,6 +68,30 @@ class CollectiveBackend:
         """Send ``x`` to rank (rank + offset) mod N; return what rank (rank - offset) mod N sent."""
         raise NotImplementedError
 
+    def start_shifts(self, sends: list) -> "PendingShifts":
+        """Start a :meth:`shift` of every ``(x, offset)`` in ``sends``; ``.wait()`` on the result
+        returns what arrived, in order. The caller computes in between (the ring schedule of
+        ``comm.ring``). This default shifts one after the other before returning (no overlap);
+        a backend with non-blocking point-to-point overrides it."""
+        return PendingShifts(received=[self.shift(x, offset) for x, offset in sends])
+
+
+class PendingShifts:
+    """Shifts under way: ``wait()`` blocks until they are done and returns the received tensors."""
+
+    def __init__(self, received: list, works: tuple = (), on_wait=None):
+        self._received, self._works, self._on_wait = received, works, on_wait
+
+    @property
+    def buffers(self) -> list:
+        """The tensors the shifts receive into (allocated now, filled once :meth:`wait` returns)."""
+        return self._received
+
+    def wait(self) -> list:
+        if self._on_wait is not None:
+            self._on_wait(self._works)
+        return self._received
+
 
 class CollectiveError(RuntimeError):
     """A collective did not complete on this rank; the message names the rank, op and group."""
@@ -170,6 +194,27 @@ class ProcessGroupBackend(CollectiveBackend):
         for work in dist.batch_isend_irecv(ops):
             work.wait()
         return received
+
+    @_named_failures
+    def start_shifts(self, sends):
+        """One batch of non-blocking sends and receives for every shift, not waited on: on NCCL
+        the transfers run on the communicator's stream while the caller's kernels run on theirs.
+        Every rank posts its sends and receives in the same order, so two shifts between the same
+        pair of ranks (both offsets at N = 2) match in order."""
+        rank, world = self.rank(), self.world()
+        ops, received = [], []
+        for x, offset in sends:
+            buffer = torch.empty_like(x, memory_format=torch.contiguous_format)
+            ops += [dist.P2POp(dist.isend, x.contiguous(), group=self.process_group,
+                               group_peer=(rank + offset) % world),
+                    dist.P2POp(dist.irecv, buffer, group=self.process_group, group_peer=(rank - offset) % world)]
+            received.append(buffer)
+        return PendingShifts(received, tuple(dist.batch_isend_irecv(ops)), self.wait_shifts)
+
+    @_named_failures
+    def wait_shifts(self, works):
+        for work in works:
+            work.wait()
 
 
 _GROUPS: dict[str, tuple[object, CollectiveBackend]] = {}  # name -> (what was registered, its backend)

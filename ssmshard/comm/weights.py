@@ -15,18 +15,24 @@ from ..placement import Shard
 from .ops import all_gather_partial_grad
 
 
-def gathered_ranges(placement: Shard, world: int) -> list[tuple[int, int]]:
-    """``(start, length)`` along the placement's dim, in the rank-ordered concatenation of every
-    rank's shard, of each piece of the whole weight in order (each piece taken from the first
-    rank that holds it)."""
-    ranges, inner = [], 0
-    local = placement.local_size
+def weight_pieces(placement: Shard) -> list[tuple[int, int, int, int]]:
+    """``(owner, local_start, whole_start, length)`` along the placement's dim for each piece of
+    the whole weight, in order: the rank it is taken from (the first rank that holds it), where it
+    sits in that rank's shard and in the whole weight."""
+    pieces, inner, whole = [], 0, 0
     for seg in placement.segments:
         for piece in range(seg.pieces):
-            owner = piece * seg.stride
-            ranges.append((owner * local + inner, seg.local))
+            pieces.append((piece * seg.stride, inner, whole + piece * seg.local, seg.local))
         inner += seg.local
-    return _merged(ranges)
+        whole += seg.size
+    return pieces
+
+
+def gathered_ranges(placement: Shard, world: int) -> list[tuple[int, int]]:
+    """``(start, length)`` along the placement's dim, in the rank-ordered concatenation of every
+    rank's shard, of each piece of the whole weight in order (:func:`weight_pieces`)."""
+    local = placement.local_size
+    return _merged([(owner * local + inner, length) for owner, inner, _, length in weight_pieces(placement)])
 
 
 def _merged(ranges):

@@ -10,8 +10,9 @@ the unsharded captured graph:
   ids (and of their length) reads the local chunk: the whole program then runs on ``c`` local
   tokens, every view and allocation included;
 * every read of a sharded weight is preceded by ``comm.weights.gather_shards`` (the whole
-  weight, in flight only for that op); a replicated parameter gets a ``tp_copy`` (its gradient
-  sums over the ranks' tokens);
+  weight, in flight only for that op), or, under ``weights="ring"``, a linear layer becomes
+  ``comm.ring.ring_linear`` over the local shard (the shards go around the ranks); a replicated
+  parameter gets a ``tp_copy`` (its gradient sums over the ranks' tokens);
 * positions (``arange`` over the sequence length) become the local tokens' global positions, so
   rotary embeddings see them;
 * the ops that mix tokens become their ``sequence_blocks`` counterparts: the causal conv takes
@@ -34,6 +35,7 @@ import torch
 from .. import sequence_blocks
 from ..comm import ops as _register_collectives  # noqa: F401  (torch.ops.ssmshard collectives)
 from ..comm.groups import declare_group_size
+from ..comm.ring import ring_layout, ring_linear
 from ..comm.weights import gather_shards, gathered_ranges
 from ..ops.signatures import SIGNATURES
 from ..placement import REPLICATE, Replicate, SeqShard, Shard
@@ -59,6 +61,7 @@ class _Rewriter:
         self.group = options["group"]
         self.training = options.get("training", True)
         self.order = options.get("order", "contiguous")
+        self.weight_schedule = options.get("weights", "gather")
         self.layout = TokenLayout(self.rank, self.world, self.order)
         # The sequence blocks' scans: "reference" ops or "triton" kernels (Plan.kernel_choice).
         self.kernels = options.get("kernels", "reference")
@@ -133,6 +136,9 @@ class _Rewriter:
                 _make_local(node, placement)
                 ranges = gathered_ranges(placement, self.world)
                 for user in list(node.users):
+                    if self.weight_schedule == "ring" and _ring_reads(user, node, placement):
+                        self.ring_linear(user, node, placement)
+                        continue
                     with self.graph.inserting_before(user):
                         whole = self.call(gather_shards, (node, placement.dim, ranges, self.group), user)
                     whole.meta["placement"] = PARTIAL_GRAD_REPLICATE
@@ -143,6 +149,17 @@ class _Rewriter:
                     copy = self.call(ssm.tp_copy.default, (node, self.group), first)
                 copy.meta["placement"] = PARTIAL_GRAD_REPLICATE
                 node.replace_all_uses_with(copy, delete_user_cb=lambda user: user is not copy)
+
+    def ring_linear(self, linear, shard, placement):
+        """``linear(x, W, b)`` as ``comm.ring.ring_linear`` over the local shard (the shards go
+        around the ranks instead of being gathered; a sharded bias is gathered like any weight)."""
+        x, _, *bias = linear.args
+        args = (x, shard, bias[0] if bias else None, placement.dim, placement.global_size,
+                ring_layout(placement, self.world), self.group)
+        with self.graph.inserting_before(linear):
+            ring = self.call(ring_linear, args, linear)
+        linear.replace_all_uses_with(ring)
+        self.graph.erase_node(linear)
 
     # ------------------------------------------------------------- ops that mix tokens
     def sequence_ops(self):
@@ -278,6 +295,15 @@ class _Rewriter:
                 continue
             dims = [d for d, size in enumerate(val.shape) if _same_size(size, local)]
             node.meta["placement"] = SeqShard(dims[0]) if dims else PARTIAL_GRAD_REPLICATE
+
+
+def _ring_reads(user, weight, placement) -> bool:
+    """Whether ``user`` is a linear layer reading ``weight`` as its matrix (only there), split
+    along one of its two dims. The logits head is left to the gather (docs/tsp.md)."""
+    if user.target is not aten.linear.default or user.meta.get("ssmshard", {}).get("role") == "lm_head":
+        return False
+    x, matrix, *rest = user.args
+    return matrix is weight and weight is not x and weight not in rest and placement.dim in (0, 1)
 
 
 def _same_size(a, b) -> bool:
