@@ -229,7 +229,10 @@ def test_sharded_ssd_scan_on_triton_kernel(world, length, fresh_seed):
     _check_ssd_scan(world, length, "contiguous", 2, "triton", fresh_seed)
 
 
-@pytest.mark.parametrize("world,length", [(3, 12), pytest.param(3, 14, marks=pytest.mark.slow)])
+# Interpreted kernels over three ranks take most of a minute: the slow set (the reference path's
+# packed test above runs by default).
+@pytest.mark.slow
+@pytest.mark.parametrize("world,length", [(3, 12), (3, 14)])
 def test_packed_state_passing_on_triton_kernels_equals_each_sequence_alone(world, length, fresh_seed):
     """Packed rows on the kernels (per-piece initial states of the rerun) against each sequence
     scanned alone by the reference op: a sequence starts on each rank boundary and one inside a
