@@ -262,7 +262,9 @@ def sensitivity(model, plan, calibration_ids, *, window: int = 128, batch_size: 
         raise PlanError(f"no sync point of this model can be dropped under {plan}")
     score = dict(window=window, batch_size=batch_size, max_windows=max_windows)
 
-    exact_cache = {}  # id of a token stream -> (its exact perplexity, per-batch log-probabilities)
+    # id of a token stream -> (its exact perplexity, per-batch log-probabilities, the stream itself:
+    # kept so that its id cannot be reused by another tensor while the report lives)
+    exact_cache = {}
 
     def exact_of(ids):
         if id(ids) not in exact_cache:

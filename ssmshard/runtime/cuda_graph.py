@@ -40,7 +40,13 @@ def release_cuda_graphs() -> int:
     (pytorch/pytorch#115388): call this (or ``DistributedModule.release_cuda_graphs()``) before
     destroying the process group. ``ssmshard.launch`` does it for its ranks. A released graph is
     captured again by the next ``generate``."""
-    graphs = [graph for graph in _CAPTURED if graph.graph is not None]
+    return release(list(_CAPTURED))
+
+
+def release(graphs) -> int:
+    """Release ``graphs`` (``GraphedDecode``s) once the device has finished replaying them;
+    returns how many held a graph."""
+    graphs = [graph for graph in graphs if graph.graph is not None]
     if graphs:
         torch.cuda.synchronize()
     for graph in graphs:

@@ -312,10 +312,9 @@ class DistributedModule(torch.nn.Module):
         """Free this module's decode CUDA graphs (the next ``generate`` captures again). Call it,
         or ``ssmshard.release_cuda_graphs()``, before ``dist.destroy_process_group()``: a live
         graph holding NCCL kernels makes that teardown wait forever (pytorch/pytorch#115388)."""
-        if self._decode_graphs:
-            torch.cuda.synchronize()
-        for graphed in self._decode_graphs.values():
-            graphed.release()
+        from .cuda_graph import release as release_graphs
+
+        release_graphs(self._decode_graphs.values())
         self._decode_graphs.clear()
 
 
