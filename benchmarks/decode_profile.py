@@ -49,15 +49,16 @@ from generate_gpu import build_random_model  # noqa: E402
 from static_kv_decode_gpu import copy_bandwidth, synchronize  # noqa: E402
 from tp_gpu import mamba_2p8b_config  # noqa: E402
 
+MATMUL_KERNELS = ("nvjet", "gemv", "gemm", "splitkreduce", "cutlass", "sm90_xmma")
 CATEGORIES = (("all-reduce", ("nccl", "all_reduce", "allreduce")),
-              ("matmul", ("nvjet", "gemv", "gemm", "splitkreduce", "cutlass", "sm90_xmma")),
+              ("matmul", MATMUL_KERNELS),
               ("copies", ("copy", "memcpy")),
               ("SSM step", ("_state_update", "_conv_update")))
 
 
-def category(kernel: str) -> str:
+def category(kernel: str, categories=CATEGORIES) -> str:
     name = kernel.lower()
-    for label, needles in CATEGORIES:
+    for label, needles in categories:
         if any(n in name for n in needles):
             return label
     return "other"

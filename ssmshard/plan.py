@@ -207,8 +207,8 @@ class Plan:
         """The pass steps that make rank ``rank``'s program of ``mode`` under this plan, in order:
         the sharding passes (``propagate``, ``localize``, ``communicate``) with the plan's reduce
         policy, the sync-point passes (``spd``, then ``quantize_sync``), then, when
-        ``kernels == "triton"``, ``fuse_rmsnorm`` (generation programs: each RMSNorm and the residual
-        add before it as one node) and ``swap_kernels`` (always last: it only retargets SSM ops). ``runtime.pipeline.shard_program`` runs them; ``ssmshard inspect``
+        ``kernels == "triton"``, ``fuse_rmsnorm`` (generation programs, and forward programs of a plan
+        that does not train: each RMSNorm and the residual add before it as one node) and ``swap_kernels`` (always last: it only retargets SSM ops). ``runtime.pipeline.shard_program`` runs them; ``ssmshard inspect``
         and the runtime both go through it. Under ``tsp``, forward programs are the ``tsp`` pass's;
         ``sequence_sharded=True`` asks for it on a prefill program too (the TSP prefill, whose
         states feed the tensor-parallel decode program: docs/tsp.md)."""
@@ -231,7 +231,7 @@ class Plan:
             steps.append(("quantize_sync", {"syncs": self.quantize_syncs, "min_bytes": self.quantize_min_bytes,
                                             "block": self.quantize_block}))
         if kernels == "triton":
-            if mode != "forward":  # generation programs: forward (training) programs keep torch's norms
+            if mode != "forward" or not self.training:  # the fused kernel has no backward
                 steps.append(("fuse_rmsnorm", {}))
             steps.append(("swap_kernels", {"kernels": "triton"}))
         steps += self.inference_steps(mode)

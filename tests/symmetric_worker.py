@@ -42,7 +42,10 @@ def collective_results(rank, world, seed, out_path):
     gen = torch.Generator(device="cuda").manual_seed(seed + rank)
     x = torch.randn(4096, generator=gen, device="cuda").to(torch.bfloat16)
     exact = nccl.all_reduce(x.float())
-    bf16_err = ((symm.all_reduce(x).float() - exact).abs() / exact.abs().clamp_min(1e-3)).max().item()
+    # Relative to the sum of the magnitudes (the scale of a floating-point sum's error bound):
+    # four random terms can cancel, and a result near zero has no relative accuracy to keep.
+    magnitude = nccl.all_reduce(x.float().abs())
+    bf16_err = ((symm.all_reduce(x).float() - exact).abs() / magnitude).max().item()
     # Inside a CUDA graph: capture once, replay with new operands written into the static input.
     static = torch.zeros(2560, dtype=torch.bfloat16, device="cuda")
     stream = torch.cuda.Stream()
@@ -67,7 +70,9 @@ def collective_results(rank, world, seed, out_path):
 
 def generation_results(rank, world, family, seed, out_path):
     torch.cuda.set_device(rank)
-    model = small_model(family).to("cuda", torch.bfloat16)
+    # fp32: the one-shot kernel and NCCL sum in different orders, and in bf16 that flips near ties
+    # of greedy decoding after a few steps at tp 4; fp32 keeps the logits within 1e-5 (asserted).
+    model = small_model(family).to("cuda")
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=gen).cuda()
     outs = {}

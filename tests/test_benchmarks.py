@@ -161,14 +161,17 @@ def test_decode_smoke_writes_rows_as_measured_and_plots(tmp_path):
 def test_scaling_smoke_measures_every_variant_and_plots(tmp_path):
     """scaling_gpu.py --smoke under torchrun (2 CPU ranks, gloo): one row per variant, then --plot."""
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          os.path.join(BENCH, "scaling_gpu.py"), "--smoke", "--out", str(tmp_path)],
+                          os.path.join(BENCH, "scaling_gpu.py"), "--smoke", "--profile", "--out", str(tmp_path)],
                          env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     with open(tmp_path / "scaling.jsonl") as f:
         rows = [json.loads(line) for line in f]
-    assert [r["variant"] for r in rows] == ["tp1", "tp2", "tp2_symm", "tp2_symm_spd", "tp2_int8", "tp2_fp8"]
-    assert all(r["tpot_ms_b1"] is not None and r["prefill_tok_s"] > 0 for r in rows)
+    assert [r["variant"] for r in rows] == ["tp1", "tp2", "tp2_symm", "tp2_symm_spd", "tp2_int8", "tp2_fp8", "tp2_sp"]
+    assert all(r["tpot_ms_b1"] > 0 for r in rows[:-1]) and "tpot_ms_b1" not in rows[-1]  # sp: prefill only
+    assert all(r["prefill_tok_s"] > 0 for r in rows)
     assert rows[3]["syncs_dropped"] == 1  # 7/15 of the tiny model's 2 layers, rounded
+    assert all(0 < r["prefill_profile"]["kernel_ms"] for r in rows)
     plot = subprocess.run([sys.executable, os.path.join(BENCH, "scaling_gpu.py"), "--plot", str(tmp_path)],
                           env=_env(), capture_output=True, text=True, timeout=300)
     assert plot.returncode == 0 and "tp2_symm_spd" in plot.stdout, plot.stderr[-2000:]
+    assert "one prefill forward on rank 0" in plot.stdout

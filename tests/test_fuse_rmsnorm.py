@@ -73,12 +73,14 @@ def _step_names(plan, mode, kernels):
                                                                      kernels=kernels)]
 
 
-def test_pipeline_fuses_generation_programs_only_under_triton():
+def test_pipeline_fuses_inference_programs_only_under_triton():
     plan = ssmshard.Plan()
     decode = _step_names(plan, "decode", "triton")
     assert decode[decode.index("fuse_rmsnorm") + 1] == "swap_kernels"  # then the inference passes
     assert "fuse_rmsnorm" in _step_names(plan, "prefill", "triton")
+    # Training forward programs keep torch's norms (the fused kernel has no backward).
     assert "fuse_rmsnorm" not in _step_names(plan, "forward", "triton") + _step_names(plan, "decode", "reference")
+    assert "fuse_rmsnorm" in _step_names(ssmshard.Plan(training=False), "forward", "triton")
     skipping = ssmshard.Plan(skip_passes=["fuse_rmsnorm"])
     assert "fuse_rmsnorm" not in _step_names(skipping, "decode", "triton")
     assert "swap_kernels" in _step_names(skipping, "decode", "triton")
@@ -101,6 +103,19 @@ def test_tensor_parallel_generation_with_fused_norms_gives_hf_tokens(monkeypatch
     assert torch.equal(tokens, expected)
     decode = mesh.ranks[0]._generation["decode"]  # swap_kernels put the fused nodes on their kernel adapters
     assert_every_norm_fused(decode, model, norm_targets={KERNELS[op][0] for op in NORM_OPS})
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_inference_forward_with_fused_norms_gives_hf_logits(monkeypatch, sequence_parallel, fresh_seed):
+    """A forward program of a plan that does not train, as on CUDA (kernels="triton"), at tp=2:
+    its norms are fused, on replicated values or on sequence shards (sequence parallelism)."""
+    monkeypatch.setattr(ssmshard.Plan, "kernel_choice", lambda self, device: "triton")
+    model = small_model("mamba")
+    mesh = SimulatedMesh(model, ssmshard.Plan(tp=2, training=False, sequence_parallel=sequence_parallel))
+    ids = torch.randint(0, model.config.vocab_size, (2, 8))
+    with torch.no_grad():
+        assert rel_err(mesh(ids), model(ids).logits) <= 1e-5
+    assert_every_norm_fused(mesh.program, model, norm_targets={KERNELS[op][0] for op in NORM_OPS})
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on a GPU")
