@@ -85,9 +85,9 @@ def measure(rank, world, args, out_dir):
 
         torch.cuda.set_device(device)
         name = group.group_name
-        peer = symm_mem.empty(max(SIZES), dtype=torch.uint8, device=device)
+        peer = symm_mem.empty(max(args.sizes), dtype=torch.uint8, device=device)
         symm_mem.rendezvous(peer, name)
-    for size in (SIZES[:2] if args.smoke else SIZES):
+    for size in args.sizes:
         numel = size // 2
         gen = torch.Generator(device=device).manual_seed(rank)
         x = torch.randint(-8, 8, (numel,), generator=gen, device=device).to(torch.bfloat16)
@@ -110,6 +110,9 @@ def measure(rank, world, args, out_dir):
                 "one_shot_graph": _graph_us(one_shot, args.per_graph, args.repeats),
                 "two_shot_graph": _graph_us(two_shot, args.per_graph, args.repeats),
                 "equal_to_nccl": checks})
+        # Algorithm bandwidth of NCCL in the graph (bytes of the message per second): where large
+        # messages (prefill's) stand against the link.
+        row["nccl_graph_gb_s"] = size / row["nccl_graph"] / 1e3 if cuda else None
         rows.append(row)
         if rank == 0:
             print(json.dumps(row), flush=True)
@@ -118,13 +121,13 @@ def measure(rank, world, args, out_dir):
                   "device": torch.cuda.get_device_name(device) if cuda else "cpu (smoke: gloo)",
                   "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
                   "unit": "microseconds per all-reduce (median)", "rows": rows}
-        path = os.path.join(out_dir, f"allreduce_tp{world}.json")
+        path = os.path.join(out_dir, f"{args.name or f'allreduce_tp{world}'}.json")
         with open(path, "w") as f:
             json.dump(report, f, indent=1)
         keys = [k for k in ("nccl_eager", "nccl_graph", "one_shot_graph", "two_shot_graph") if k in rows[0]]
-        bench_common.bar_chart(os.path.join(out_dir, f"allreduce_tp{world}.png"),
+        bench_common.bar_chart(os.path.join(out_dir, f"{args.name or f'allreduce_tp{world}'}.png"),
                                f"bf16 all-reduce, tp={world}, {report['device']}",
-                               [f"{r['bytes'] // 1024} KiB" for r in rows],
+                               [f"{r['bytes'] / 1024:g} KiB" for r in rows],
                                {k: [r[k] for r in rows] for k in keys}, "µs per all-reduce (median)", log=True)
         print(f"wrote {path}")
 
@@ -135,10 +138,14 @@ def main(argv=None):
     parser.add_argument("--per-graph", type=int, default=64, help="all-reduces per timed graph replay")
     parser.add_argument("--repeats", type=int, default=50, help="timed replays (the median is reported)")
     parser.add_argument("--smoke", action="store_true", help="CPU, gloo, 2 sizes: checks the script")
+    parser.add_argument("--sizes", type=int, nargs="+", default=SIZES, help="message bytes (even)")
+    parser.add_argument("--name", help="output file stem (default allreduce_tp<N>)")
     parser.add_argument("--out", default=".", help="output folder")
     args = parser.parse_args(argv)
+    if any(size % 2 for size in args.sizes):
+        parser.error("--sizes: bf16 messages take an even number of bytes")
     if args.smoke:
-        args.tp, args.per_graph, args.repeats = 2, 2, 2
+        args.tp, args.per_graph, args.repeats, args.sizes = 2, 2, 2, args.sizes[:2]
     elif torch.cuda.device_count() < args.tp:
         parser.error(f"--tp {args.tp} needs {args.tp} GPUs; this machine has {torch.cuda.device_count()}")
     os.makedirs(args.out, exist_ok=True)

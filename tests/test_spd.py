@@ -248,3 +248,22 @@ def test_errors_name_the_sync_points():
     mesh = ssmshard.SimulatedMesh(model, ssmshard.Plan(tp=2, drop_syncs=["layers.*"], allow_approximate=True))
     assert mesh.program.unrepaired_syncs == ["layers.0.x_proj", "layers.1.x_proj"]
     assert "[dropped]" in mesh.program.report()
+
+
+@pytest.mark.parametrize("case", ["mamba2_out_proj", "llama_o_proj"])
+def test_fused_norms_under_spd_keep_the_emulations_logits(monkeypatch, case, fresh_seed):
+    """An inference plan on CUDA fuses every norm with its residual add (kernels="triton": the
+    adapters run the reference ops on CPU tensors), also where the add reads SPD's pending
+    partials: as many fused adds as without the drop, and still the emulation's logits."""
+    monkeypatch.setattr(ssmshard.Plan, "kernel_choice", lambda self, device: "triton")
+    build, name, where = CASES[case]
+    model = build()
+    ids = _ids(model, fresh_seed)
+    mesh = ssmshard.SimulatedMesh(model, ssmshard.Plan(tp=2, drop_syncs=[name], training=False))
+    exact = ssmshard.SimulatedMesh(model, ssmshard.Plan(tp=2, training=False))
+    with torch.no_grad():
+        logits = mesh(ids)
+        expected = spd_emulation(model, ids, 2, *where(model))
+    assert rel_err(logits, expected) < TOL
+    fused_adds = [sum(r["residual_add"] for r in m.program.norm_fusion_report) for m in (mesh, exact)]
+    assert fused_adds[0] == fused_adds[1] > 0, fused_adds

@@ -66,6 +66,11 @@ class _ChangedOnly(FakeTensorProp):
         n.meta[_PROPAGATED] = (inputs, new)
         return new
 
+    def call_function(self, target, args, kwargs):
+        if target is torch.ops.aten.linear.default:
+            return linear_value(*args, **kwargs)
+        return super().call_function(target, args, kwargs)
+
     def _simplifiable(self, value) -> bool:
         """Whether ``value`` names a symbol the shape environment has since replaced (export
         may trace two lengths as two symbols and learn later that they are one): a full
@@ -75,6 +80,19 @@ class _ChangedOnly(FakeTensorProp):
             return False
         replaced = shape_env.replacements
         return any(symbol in replaced for symbol in _free_symbols(value))
+
+
+def linear_value(x, weight, bias=None):
+    """``aten.linear``'s value for shape propagation: (*x.shape[:-1], out_features), contiguous,
+    in x's dtype. torch's own kernel is not used here: on CUDA fake tensors it asks a symbolic-shaped
+    input for its ``numel()`` (through ``matmul``) and raises, where on CPU ones it does not."""
+    # The checks torch's kernel makes: a pass that wires the wrong value in must still fail here.
+    torch._check(weight.dim() == 2 and x.shape[-1] == weight.shape[1],
+                 lambda: f"linear: input {tuple(x.shape)} does not fit weight {tuple(weight.shape)}")
+    torch._check(x.dtype == weight.dtype, lambda: f"linear: input {x.dtype} with weight {weight.dtype}")
+    torch._check(bias is None or (bias.dim() == 1 and bias.shape[0] == weight.shape[0]),
+                 lambda: f"linear: bias {tuple(bias.shape)} for weight {tuple(weight.shape)}")
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 def _free_symbols(value) -> set:

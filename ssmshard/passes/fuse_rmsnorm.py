@@ -13,8 +13,8 @@ both the sum (for every other reader of the residual stream) and the norm. The n
 the reference ops; ``swap_kernels``, run after, puts them on the Triton kernel
 (``kernels/rms_norm.py``). Each new node takes the tags and placement of the node it replaces.
 
-A norm whose input is split along its channels (a placement other than replicated or
-sequence-sharded) is left as it is: its mean needs every channel.
+A norm whose input is split along its channels (``Shard``: a placement other than replicated,
+partial or sequence-sharded) is left as it is: its mean needs every channel.
 
 ``program.norm_fusion_report`` lists every fused norm: node, module, call site, whether the add was fused.
 """
@@ -25,7 +25,7 @@ import operator
 
 import torch
 
-from ..placement import Replicate, SeqShard
+from ..placement import Partial, Replicate, SeqShard
 from .manager import register
 
 aten = torch.ops.aten
@@ -59,8 +59,9 @@ def _val(node):
 
 
 def _match_norm(rsqrt):
-    """The RMSNorm chain around ``rsqrt``: {x, weight, eps, h (x in float32, which other nodes may read
-    too), nodes (the rest of the chain, in order), out}, or None."""
+    """The RMSNorm chain around ``rsqrt``: {x, weight, eps, h (the cast of x to float32, which other
+    nodes may read too; None where x is float32 without one), nodes (the rest of the chain, in
+    order), out}, or None."""
     add_eps = rsqrt.args[0]
     if not (isinstance(add_eps, torch.fx.Node) and add_eps.target is aten.add.Tensor and not add_eps.kwargs
             and isinstance(add_eps.args[1], float) and len(add_eps.users) == 1):
@@ -75,10 +76,15 @@ def _match_norm(rsqrt):
         return None
     h = power.args[0]
     scale = _single_user(rsqrt)
-    if _cast_dtype(h) is not torch.float32 or scale is None or scale.target is not aten.mul.Tensor \
-            or _other(scale, rsqrt) is not h:
+    if scale is None or scale.target is not aten.mul.Tensor or _other(scale, rsqrt) is not h:
         return None
-    x = h.args[0]
+    if _cast_dtype(h) is torch.float32:
+        x = h.args[0]
+    elif isinstance(_val(h), torch.Tensor) and _val(h).dtype == torch.float32:
+        # Already float32 without a cast of its own: SPD's ``base + pending``, whose parts it cast.
+        x, h = h, None
+    else:
+        return None
     back = _single_user(scale)
     if back is None or _cast_dtype(back) != _val(x).dtype or back.args[0] is not scale:
         return None
@@ -106,8 +112,10 @@ def _match_residual_add(x):
 
 
 def _channels_whole(*nodes) -> bool:
-    """Every channel of these values is on this rank (no placement: the program is not sharded)."""
-    return all(n.meta.get("placement") is None or isinstance(n.meta["placement"], (Replicate, SeqShard))
+    """Every channel of these values is on this rank (no placement: the program is not sharded).
+    A partial sum holds every channel too: SPD's pending partials enter the residual add before a
+    norm (``base + pending``), and the fused node computes the same local arithmetic."""
+    return all(n.meta.get("placement") is None or isinstance(n.meta["placement"], (Replicate, SeqShard, Partial))
                for n in nodes)
 
 
@@ -144,7 +152,8 @@ def _fuse(graph, match) -> bool:
         out.replace_all_uses_with(normed)
     for node in reversed(match["nodes"]):
         graph.erase_node(node)
-    if not match["h"].users:  # export shares one float32 cast between the norm and the block's residual
+    # Export shares one float32 cast between the norm and the block's residual: erase it when unread.
+    if match["h"] is not None and not match["h"].users:
         graph.erase_node(match["h"])
     if residual is not None:
         if cast is not None and not cast.users:
