@@ -13,6 +13,10 @@ the rows still running (and whether it failed) in the one broadcast each step ne
 Every rank feeds the same ids to the next step whatever the rounding of its logits, and all
 stop at the same step, even under criteria that read the clock (``max_time``) or are the
 user's own. If rank 0 fails deciding, the others learn it from that broadcast and raise too.
+
+Greedy generation stopped by length and EOS ids only, with nothing else to run on the host each
+step, takes :mod:`ssmshard.runtime.device_loop` instead: the same decisions, without a host
+synchronisation per step.
 """
 
 from __future__ import annotations
