@@ -10,6 +10,7 @@ import torch
 from transformers.generation import BaseStreamer
 
 import ssmshard
+from ssmshard.families import family_of
 from ssmshard.runtime.device_loop import STOP_CHECK_INTERVAL, why_not_device_loop
 from ssmshard.runtime.generation_config import prepare_generation
 
@@ -65,10 +66,14 @@ def test_rows_stopped_by_eos_equal_hf_on_the_device_loop(family, fresh_seed):
         ours = generate(ids, mask, **options)
         assert dm.last_generation_loop == "device"
         hf = _hf(model, ids, mask, **options)
+        # Attention: also over static key/value buffers (the step a CUDA graph replays, here eager),
+        # which read the mask view of each step.
+        static = generate(ids, mask, static_kv=True, **options) if family_of(model).has_attention else ours
     stops = [first_eos_step(row, eos) for row in full_new]
     assert len(set(stops)) > 1, f"seed {fresh_seed}: EOS {eos} stops the rows at {stops}, not at different steps"
     assert hf.shape[1] == ids.shape[1] + max(stops) + 1 < ids.shape[1] + NEW_TOKENS, (stops, hf)
     assert torch.equal(ours, hf), (fresh_seed, eos, ours, hf)
+    assert torch.equal(static, hf), (fresh_seed, eos, static, hf)
 
 
 def test_tp2_device_loop_equals_hf(tmp_path, fresh_seed):
