@@ -68,7 +68,8 @@ def new_token_count(setup: GenerationSetup) -> int:
 @torch.no_grad()
 def device_loop_generate(logits, states, decode, setup: GenerationSetup, channel, attention_mask, position_ids):
     """The ids (b, l + n) HF's greedy loop gives from the prefill's ``logits`` and ``states``,
-    reading the device only every ``STOP_CHECK_INTERVAL`` steps (with EOS) or not at all."""
+    reading the device only every ``STOP_CHECK_INTERVAL`` steps (with EOS) or not at all, and
+    once at the end to cut the output where HF stops."""
     prompt = setup.input_ids
     batch, length = prompt.shape
     steps = new_token_count(setup)
