@@ -44,6 +44,7 @@ class DistributedModule(torch.nn.Module):
         self._generation = None
         self._decode_graphs = {}  # batch size -> GraphedDecode
         self._warned_eager_decode = False
+        self.last_generation_loop = None  # "device" or "host": which loop the last generate ran
         self._names = {}
         for index, (fqn, tensor) in enumerate(weights.items()):
             name = f"w{index}"
@@ -201,8 +202,8 @@ class DistributedModule(torch.nn.Module):
             return prefill(prefill_program, self._chunk_program_for(input_ids, chunk_size), input_ids, mask,
                            positions, chunk_size)
 
-    def generate(self, input_ids, attention_mask=None, *, cuda_graph="auto", static_kv="auto", generator=None,
-                 **arguments):
+    def generate(self, input_ids, attention_mask=None, *, cuda_graph="auto", static_kv="auto", device_loop="auto",
+                 generator=None, **arguments):
         """``model.generate(input_ids, attention_mask=attention_mask, **arguments)`` on this rank:
         every rank returns the same ids (or HF's output object with ``return_dict_in_generate``).
 
@@ -225,8 +226,15 @@ class DistributedModule(torch.nn.Module):
         fixes their positions (a ``ValueError`` before any work if the generation could need
         more), ``False`` keeps the growing cache, ``"auto"`` uses them where the decode step is
         a CUDA graph. Without CUDA the static step runs eagerly, with the same tokens.
+        ``device_loop``: greedy generation stopped by length and EOS ids only, without logits
+        processors, streamer or scores, runs without a host synchronisation per step
+        (``ssmshard.runtime.device_loop``; ``why_not_device_loop`` names what keeps a generation
+        on the host loop); ``"auto"`` where it applies, ``True`` raises ``ValueError`` where it
+        does not, ``False`` keeps the host loop. ``last_generation_loop`` says which ran last
+        (``"device"`` or ``"host"``).
         ``generator``: the random stream sampling draws from on rank 0 (default: torch's global one).
         """
+        from .device_loop import uses_device_loop
         from .generate import run_generation
         from .generation_config import prepare_generation
 
@@ -235,10 +243,13 @@ class DistributedModule(torch.nn.Module):
             raise RuntimeError("this DistributedModule was built without its model; generation needs it")
         setup = prepare_generation(self._model, input_ids, attention_mask, **arguments)
         static_length = self._static_kv_length(setup, cuda_graph, static_kv)  # before any program is built
+        on_device = uses_device_loop(setup, device_loop)
         prefill, decode = self.generation_programs()
         step = self._decode_step(decode, setup, cuda_graph, static_length)
+        self.last_generation_loop = "device" if on_device else "host"
         return run_generation(prefill, step, setup, group=_group_of(self.program), generator=generator,
-                              chunk_program=self._chunk_program_for(setup.input_ids, setup.prefill_chunk_size))
+                              chunk_program=self._chunk_program_for(setup.input_ids, setup.prefill_chunk_size),
+                              device_loop=on_device)
 
     def _check_ids(self, input_ids):
         from ..inputs import check_input_ids

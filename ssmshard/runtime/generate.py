@@ -13,6 +13,10 @@ the rows still running (and whether it failed) in the one broadcast each step ne
 Every rank feeds the same ids to the next step whatever the rounding of its logits, and all
 stop at the same step, even under criteria that read the clock (``max_time``) or are the
 user's own. If rank 0 fails deciding, the others learn it from that broadcast and raise too.
+
+Greedy generation stopped by length and EOS ids only, with nothing else to run on the host each
+step, takes :mod:`ssmshard.runtime.device_loop` instead: the same decisions, without a host
+synchronisation per step.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .device_loop import device_loop_generate, uses_device_loop
 from .generation_config import ConfigDefaults, GenerationSetup, prepare_generation
 
 
@@ -75,7 +80,8 @@ def prompt_inputs(input_ids, attention_mask):
 
 @torch.no_grad()
 def generate(prefill_program, decode, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, *,
-             model=None, group=None, chunk_program=None, generator: Optional[torch.Generator] = None, **arguments):
+             model=None, group=None, chunk_program=None, generator: Optional[torch.Generator] = None,
+             device_loop="auto", **arguments):
     """``model.generate(input_ids, attention_mask=attention_mask, **arguments)`` over captured
     programs: the prompt ids (b, l) followed by the generated ids, (b, l + n), or HF's
     ``GenerateDecoderOnlyOutput`` with ``return_dict_in_generate=True``.
@@ -85,18 +91,22 @@ def generate(prefill_program, decode, input_ids: torch.Tensor, attention_mask: O
     ``model.generation_config``, or without ``model`` from those of a model built from the
     programs' config. ``prefill_chunk_size``: prefill prompts longer than this chunk by chunk
     through ``chunk_program`` (see :func:`prefill`). Sampling draws from ``generator`` (default:
-    torch's global generator) on rank 0 only.
+    torch's global generator) on rank 0 only. ``device_loop``: greedy generation without a host
+    synchronisation per step where it gives the same ids (``"auto"``; ``True`` raises where it
+    cannot, ``False`` never: :mod:`ssmshard.runtime.device_loop`).
     """
     setup = prepare_generation(model if model is not None else ConfigDefaults(prefill_program.config), input_ids,
                                attention_mask, **arguments)
     return run_generation(prefill_program, decode, setup, group=group, chunk_program=chunk_program,
-                          generator=generator)
+                          generator=generator, device_loop=uses_device_loop(setup, device_loop))
 
 
 @torch.no_grad()
 def run_generation(prefill_program, decode, setup: GenerationSetup, *, group=None, chunk_program=None,
-                   generator: Optional[torch.Generator] = None):
-    """HF's sampling/greedy loop over ``setup`` (see the module docstring for who decides what)."""
+                   generator: Optional[torch.Generator] = None, device_loop: bool = False):
+    """HF's sampling/greedy loop over ``setup`` (see the module docstring for who decides what);
+    ``device_loop``: the loop without per-step host syncs (``setup`` must be eligible:
+    :func:`~ssmshard.runtime.device_loop.uses_device_loop`)."""
     from transformers.generation import GenerateDecoderOnlyOutput
 
     channel = TokenChannel(group, setup.input_ids)
@@ -110,6 +120,9 @@ def run_generation(prefill_program, decode, setup: GenerationSetup, *, group=Non
 
     logits, states = prefill(prefill_program, chunk_program, input_ids, attention_mask, position_ids,
                              setup.prefill_chunk_size)
+    if device_loop:
+        sequences = device_loop_generate(logits, states, decode, setup, channel, attention_mask, position_ids)
+        return GenerateDecoderOnlyOutput(sequences=sequences) if setup.returns_dict else sequences
     if streamer is not None:
         streamer.put(input_ids.cpu())
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
@@ -152,8 +165,7 @@ def _decide(setup: GenerationSetup, input_ids, next_scores, scores, unfinished, 
         tokens = torch.multinomial(next_scores.softmax(dim=-1), 1, generator=generator).squeeze(1)
     else:
         tokens = next_scores.argmax(dim=-1)
-    if setup.pads_finished_rows:
-        tokens = tokens * unfinished + setup.pad_token_id * (1 - unfinished)
+    tokens = setup.pad_finished(tokens, unfinished)
     unfinished = unfinished & ~setup.criteria(torch.cat([input_ids, tokens[:, None]], dim=-1), scores)
     if streamer is not None:
         streamer.put(tokens.cpu())
@@ -196,9 +208,12 @@ class TokenChannel:
             failed[-1] = 1
             self._broadcast(failed)
 
-    def receive(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def receive(self, check_failure: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next tokens and the rows still running. ``check_failure=False``: no read of rank
+        0's failure flag (a host sync), for a loop in which rank 0 cannot fail deciding
+        (:mod:`ssmshard.runtime.device_loop`)."""
         message = self._broadcast(torch.empty(2 * self.batch + 1, dtype=torch.long, device=self.device))
-        if bool(message[-1]):
+        if check_failure and bool(message[-1]):
             raise RuntimeError("generate: rank 0 failed choosing the next tokens (its own error says why); "
                                "this rank stops too")
         return message[:self.batch], message[self.batch:2 * self.batch]

@@ -80,6 +80,12 @@ class GenerationSetup:
         """HF pads a finished row only when a stopping criterion knows EOS ids."""
         return any(hasattr(criterion, "eos_token_id") for criterion in self.criteria)
 
+    def pad_finished(self, tokens: torch.Tensor, unfinished: torch.Tensor) -> torch.Tensor:
+        """HF's pad id in place of the tokens (b,) of rows already finished (``unfinished`` 0)."""
+        if self.pads_finished_rows:
+            return tokens * unfinished + self.pad_token_id * (1 - unfinished)
+        return tokens
+
     @property
     def pad_token_id(self) -> Optional[torch.Tensor]:
         return self.config._pad_token_tensor

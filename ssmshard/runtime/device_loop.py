@@ -1,0 +1,119 @@
+"""Greedy generation without a host synchronisation per step.
+
+The host loop of :mod:`ssmshard.runtime.generate` reads a device value every step (whether
+any row is still running, and at tp > 1 whether rank 0 failed). Each read makes the host wait
+for the GPU to finish the step, so the host's work for the next step (the tokens' bookkeeping,
+the next launch or CUDA-graph replay) cannot overlap the GPU's: with a decode step of well under
+a millisecond the host time adds to every token, and under tensor parallelism (one more
+broadcast and read per step) a sharded model decoded slower per token than one GPU.
+
+For greedy decoding without logits processors, streamer or per-step outputs, and with only
+the length and EOS ids to stop it, every step's decision is device arithmetic: the argmax of
+the logits, HF's padding of finished rows, and the EOS test. This loop keeps it there. The
+output ids are preallocated and written column by column, positions and the mask advance as
+device tensors and views, and the host learns whether all rows finished only every
+``STOP_CHECK_INTERVAL`` steps. Each step records whether any row was still running, so the
+output is cut at the step where HF's loop would have stopped; the steps run after that are
+discarded. The result equals the host loop's (and HF's) exactly; anything else runs the host
+loop, and :func:`why_not_device_loop` says why.
+
+At tp > 1 rank 0 picks the tokens and broadcasts them with the rows still running, through
+:class:`~ssmshard.runtime.generate.TokenChannel` as the host loop does, so every rank feeds the
+same ids whatever the rounding of its logits. The receivers skip the host loop's per-step read
+of rank 0's failure flag: here rank 0's decision is an argmax and a comparison on the device,
+with no user code (processors, criteria, streamer) that could raise between steps.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+from .generation_config import GenerationSetup
+
+# Steps between host reads of "is any row still running" when EOS can stop rows. Each read
+# waits for the GPU, so reading every step serializes host and GPU; reading every 8 steps
+# bounds the discarded steps after the last row finishes to 7 while the wait is paid once
+# per 8 tokens.
+STOP_CHECK_INTERVAL = 8
+
+
+def why_not_device_loop(setup: GenerationSetup) -> Optional[str]:
+    """None if :func:`device_loop_generate` gives ``setup``'s result, else why the host loop runs it."""
+    if setup.config.do_sample:
+        return "sampling (do_sample=True) draws on the host each step"
+    if len(setup.processors):
+        names = ", ".join(type(p).__name__ for p in setup.processors)
+        return f"the logits processors ({names}) run on the host each step"
+    others = [type(c).__name__ for c in setup.criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
+    if others:
+        return f"the stopping criteria {', '.join(others)} are evaluated on the host each step"
+    if not any(isinstance(c, MaxLengthCriteria) for c in setup.criteria):
+        return "no max_length bounds the number of steps"
+    if setup.streamer is not None:
+        return "a streamer receives each step's tokens on the host"
+    if setup.returns_dict and (setup.config.output_scores or setup.config.output_logits):
+        return "output_scores/output_logits keep each step's scores"
+    return None
+
+
+def new_token_count(setup: GenerationSetup) -> int:
+    """The steps HF runs when no EOS stops them: until the shortest max_length, at least one."""
+    max_length = min(c.max_length for c in setup.criteria if isinstance(c, MaxLengthCriteria))
+    return max(1, max_length - setup.input_ids.shape[1])
+
+
+@torch.no_grad()
+def device_loop_generate(logits, states, decode, setup: GenerationSetup, channel, attention_mask, position_ids):
+    """The ids (b, l + n) HF's greedy loop gives from the prefill's ``logits`` and ``states``,
+    reading the device only every ``STOP_CHECK_INTERVAL`` steps (with EOS) or not at all, and
+    once at the end to cut the output where HF stops."""
+    prompt = setup.input_ids
+    batch, length = prompt.shape
+    steps = new_token_count(setup)
+    ids = torch.cat([prompt, prompt.new_zeros(batch, steps)], dim=-1)
+    # The mask of every step is a view of this one: real prompt tokens, then every new token.
+    full_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, steps)], dim=-1)
+    stops_by_eos = not setup.stops_by_length_only
+    running = torch.ones(steps, dtype=torch.bool, device=prompt.device)  # any row running after each step
+    unfinished = torch.ones(batch, dtype=torch.long, device=prompt.device)
+    done = steps
+    for step in range(steps):
+        end = length + step + 1
+        if channel.decides:
+            tokens = setup.pad_finished(logits[:, -1].float().argmax(dim=-1), unfinished)
+            ids[:, end - 1] = tokens
+            if stops_by_eos:  # MaxLengthCriteria reads the host-known length only
+                unfinished = unfinished & ~setup.criteria(ids[:, :end], None)
+            channel.send(tokens, unfinished)
+        else:
+            tokens, unfinished = channel.receive(check_failure=False)
+            ids[:, end - 1] = tokens
+        if stops_by_eos:
+            running[step] = unfinished.any()
+            if (step + 1) % STOP_CHECK_INTERVAL == 0 and not bool(running[step]):
+                done = step + 1
+                break
+        if step + 1 == steps:
+            break
+        position_ids = position_ids[:, -1:] + 1
+        logits, states = decode(ids[:, end - 1:end], states, attention_mask=full_mask[:, :end],
+                                position_ids=position_ids, check_inputs=False)
+    if stops_by_eos:
+        # HF stops right after the first step at which no row runs: there is one, the last
+        # step run at the latest (where the max-length criterion stops every row).
+        done = int(running[:done].long().argmin()) + 1
+    return ids[:, :length + done].contiguous()
+
+
+def uses_device_loop(setup: GenerationSetup, device_loop) -> bool:
+    """Whether generation runs this loop: ``device_loop`` ``"auto"`` where it is eligible,
+    ``True`` raises ``ValueError`` naming why not where it is not, ``False`` never."""
+    if device_loop not in (True, False, "auto"):
+        raise ValueError(f"device_loop must be True, False or 'auto', got {device_loop!r}")
+    reason = why_not_device_loop(setup) if device_loop is not False else "device_loop=False"
+    if reason is not None and device_loop is True:
+        raise ValueError(f"device_loop=True: this generation needs the host loop: {reason}; pass device_loop='auto'")
+    return reason is None

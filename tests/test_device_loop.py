@@ -1,0 +1,136 @@
+"""The greedy loop without per-step host syncs (ssmshard/runtime/device_loop.py) against Hugging
+Face's eager generate: the same ids at tp 1 (in process) and tp 2 (two gloo processes), with
+rows stopped by EOS at different steps; the settings it cannot run keep the host loop, which
+says why."""
+
+import json
+
+import pytest
+import torch
+from transformers.generation import BaseStreamer
+
+import ssmshard
+from ssmshard.families import family_of
+from ssmshard.runtime.device_loop import STOP_CHECK_INTERVAL, why_not_device_loop
+from ssmshard.runtime.generation_config import prepare_generation
+
+import device_loop_worker
+from device_loop_worker import stopping_eos
+from conftest import small_model
+from finishing_rows import NEW_TOKENS, eos_in_generation_config, first_eos_step
+from generate_worker import PAD, left_padded_prompts
+
+# More new tokens than one stop-check interval, so EOS stops fall both before a check and between two.
+assert NEW_TOKENS > STOP_CHECK_INTERVAL
+
+
+def _tp1(model):
+    """One rank of ``model`` (tp 1), run in this process: its generate and its module."""
+    mesh = ssmshard.SimulatedMesh(model, ssmshard.Plan(tp=1))
+    return mesh.generate, mesh.ranks[0]
+
+
+def _hf(model, ids, mask, **options):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, **{"do_sample": False, **options})
+
+
+# Mamba: an SSM decode step that ignores the mask; Llama: attention over the growing mask.
+@pytest.mark.parametrize("family", ["mamba", "llama"])
+def test_length_only_greedy_equals_hf_on_the_device_loop(family, fresh_seed):
+    model = small_model(family)
+    ids, mask = left_padded_prompts(model.config.vocab_size, (5, 9), fresh_seed)
+    generate, dm = _tp1(model)
+    with eos_in_generation_config(model, None):
+        ours = generate(ids, mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD)
+        assert dm.last_generation_loop == "device"
+        hf = _hf(model, ids, mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD)
+        as_dict = generate(ids, mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, return_dict_in_generate=True)
+        assert dm.last_generation_loop == "device"
+    assert torch.equal(ours, hf), (fresh_seed, ours, hf)
+    assert torch.equal(as_dict.sequences, hf), (fresh_seed, as_dict.sequences, hf)
+
+
+# Two families whose tiny random models emit varied tokens (Mamba's repeat one token per row).
+@pytest.mark.parametrize("family", ["mamba2", "llama"])
+def test_rows_stopped_by_eos_equal_hf_on_the_device_loop(family, fresh_seed):
+    """EOS ids that stop the two rows at different steps: the finished row padded, the output
+    cut where HF stops (the steps run after it, up to the next stop check or the end, discarded)."""
+    model = small_model(family)
+    ids, mask = left_padded_prompts(model.config.vocab_size, (6, 10), fresh_seed)
+    generate, dm = _tp1(model)
+    options = dict(max_new_tokens=NEW_TOKENS, pad_token_id=PAD)
+    with eos_in_generation_config(model, None):
+        full_new = _hf(model, ids, mask, **options)[:, ids.shape[1]:].tolist()
+    with eos_in_generation_config(model, stopping_eos(full_new)) as eos:
+        ours = generate(ids, mask, **options)
+        assert dm.last_generation_loop == "device"
+        hf = _hf(model, ids, mask, **options)
+        # Attention: also over static key/value buffers (the step a CUDA graph replays, here eager),
+        # which read the mask view of each step.
+        static = generate(ids, mask, static_kv=True, **options) if family_of(model).has_attention else ours
+    stops = [first_eos_step(row, eos) for row in full_new]
+    assert len(set(stops)) > 1, f"seed {fresh_seed}: EOS {eos} stops the rows at {stops}, not at different steps"
+    assert hf.shape[1] == ids.shape[1] + max(stops) + 1 < ids.shape[1] + NEW_TOKENS, (stops, hf)
+    assert torch.equal(ours, hf), (fresh_seed, eos, ours, hf)
+    assert torch.equal(static, hf), (fresh_seed, eos, static, hf)
+
+
+def test_tp2_device_loop_equals_hf(tmp_path, fresh_seed):
+    out = tmp_path / "device_loop.json"
+    ssmshard.launch(device_loop_worker.device_loop_results, 2, "mamba2", fresh_seed, str(out), backend="gloo")
+    results = json.loads(out.read_text())
+    for case, r in results.items():
+        where = f"{case} (seed {fresh_seed}, EOS {r.get('eos')})"
+        assert r["loop"] == "device", where
+        assert r["ours"] == r["hf"], f"{where}: ours {r['ours']} vs HF {r['hf']}"
+        assert r["same_on_all_ranks"], where
+
+
+class _Collecting(BaseStreamer):
+    """A streamer that keeps the token ids it is given."""
+
+    def __init__(self):
+        self.puts = []
+
+    def put(self, value):
+        self.puts.append(value.tolist())
+
+    def end(self):
+        pass
+
+
+INELIGIBLE = [
+    (dict(do_sample=True), "do_sample"),
+    (dict(repetition_penalty=1.3), "RepetitionPenaltyLogitsProcessor"),
+    (dict(streamer="streamer"), "streamer"),
+]
+
+
+@pytest.mark.parametrize("settings, named", INELIGIBLE, ids=["sampling", "repetition_penalty", "streamer"])
+def test_settings_it_cannot_run_keep_the_host_loop_and_say_why(settings, named, fresh_seed):
+    model = small_model("mamba")
+    ids, mask = left_padded_prompts(model.config.vocab_size, (5, 9), fresh_seed)
+    settings = {k: _Collecting() if v == "streamer" else v for k, v in settings.items()}
+    options = dict(max_new_tokens=5, pad_token_id=PAD, **settings)
+    assert why_not_device_loop(prepare_generation(model, ids, mask, max_new_tokens=5)) is None
+    reason = why_not_device_loop(prepare_generation(model, ids, mask, **options))
+    assert reason is not None and named in reason, reason
+    generate, dm = _tp1(model)
+    with pytest.raises(ValueError, match=f"device_loop=True.*{named}"):
+        generate(ids, mask, device_loop=True, **options)
+    torch.manual_seed(fresh_seed)
+    ours = generate(ids, mask, **options)
+    assert dm.last_generation_loop == "host"
+    torch.manual_seed(fresh_seed)
+    assert torch.equal(ours, _hf(model, ids, mask, **options)), fresh_seed
+
+
+def test_device_loop_false_and_invalid_values():
+    model = small_model("mamba")
+    ids = torch.randint(1, model.config.vocab_size, (1, 4))
+    generate, dm = _tp1(model)
+    generate(ids, max_new_tokens=2, device_loop=False)
+    assert dm.last_generation_loop == "host"
+    with pytest.raises(ValueError, match="device_loop must be True, False or 'auto'"):
+        generate(ids, max_new_tokens=2, device_loop="yes")
