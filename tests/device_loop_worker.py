@@ -6,22 +6,38 @@ import json
 import torch
 
 import ssmshard
+from ssmshard.runtime.device_loop import STOP_CHECK_INTERVAL
 
 from conftest import small_model
-from finishing_rows import NEW_TOKENS, eos_in_generation_config
+
+from finishing_rows import NEW_TOKENS, eos_in_generation_config, first_eos_step
 from generate_hf_arguments import hf_reference
 from generate_worker import PAD, _same_on_every_rank, left_padded_prompts
 
 
-# Row r's greedy token at new step EOS_STEPS[r] is an EOS id: the first row stops by step 3, the
-# second by step 10, past one stop check (step 8) and before the last step (11), so the output
-# is cut below the length the loop ran to.
-EOS_STEPS = (3, 10)
+# Where the later of two rows stops by EOS (steps counted from 0), so that the loop runs past
+# HF's end and must cut its output back: before the first stop check (the loop stops at that
+# check), or after it and before the last step (the loop runs to the end).
+LATE_STOPS = {"before_check": range(1, STOP_CHECK_INTERVAL - 1),
+              "across_check": range(STOP_CHECK_INTERVAL, NEW_TOKENS - 1)}
 
 
-def stopping_eos(new_tokens: list[list[int]]) -> list[int]:
-    """EOS ids that stop row r of a greedy generation (its new tokens) by step EOS_STEPS[r]."""
-    return sorted({row[step] for row, step in zip(new_tokens, EOS_STEPS)})
+def eos_stops(new_tokens: list[list[int]], eos: list[int]) -> list[int]:
+    return [first_eos_step(row, eos) for row in new_tokens]
+
+
+def stopping_eos(new_tokens: list[list[int]], late_stops: range) -> list[int]:
+    """EOS ids, among two rows' greedy new tokens, at which one row stops before the first stop
+    check and the other later, at a step in ``late_stops`` (the latest one found). When no pair
+    qualifies, the tokens at the ends of the ranges (the test then reports the stops)."""
+    for late in reversed(late_stops):
+        for early in range(min(late, STOP_CHECK_INTERVAL)):
+            for first, second in ((0, 1), (1, 0)):
+                eos = sorted({new_tokens[first][early], new_tokens[second][late]})
+                low, high = sorted(eos_stops(new_tokens, eos))
+                if low < high == late:
+                    return eos
+    return sorted({new_tokens[0][0], new_tokens[1][late_stops[-1]]})
 
 
 def device_loop_results(rank, world, family, seed, out_path):
@@ -33,8 +49,10 @@ def device_loop_results(rank, world, family, seed, out_path):
     with eos_in_generation_config(model, None):
         results["length_only"] = _compare(dm, model, ids, mask, options)
     full_new = [row[ids.shape[1]:] for row in results["length_only"]["hf"]]
-    with eos_in_generation_config(model, stopping_eos(full_new)) as eos:
-        results["eos"] = dict(_compare(dm, model, ids, mask, options), eos=eos)
+    for layout, late_stops in LATE_STOPS.items():
+        with eos_in_generation_config(model, stopping_eos(full_new, late_stops)) as eos:
+            results[layout] = dict(_compare(dm, model, ids, mask, options), eos=eos,
+                                   stops=eos_stops(full_new, eos))
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)

@@ -15,9 +15,9 @@ from ssmshard.runtime.device_loop import STOP_CHECK_INTERVAL, why_not_device_loo
 from ssmshard.runtime.generation_config import prepare_generation
 
 import device_loop_worker
-from device_loop_worker import stopping_eos
+from device_loop_worker import LATE_STOPS, eos_stops, stopping_eos
 from conftest import small_model
-from finishing_rows import NEW_TOKENS, eos_in_generation_config, first_eos_step
+from finishing_rows import NEW_TOKENS, eos_in_generation_config
 from generate_worker import PAD, left_padded_prompts
 
 # More new tokens than one stop-check interval, so EOS stops fall both before a check and between two.
@@ -52,26 +52,29 @@ def test_length_only_greedy_equals_hf_on_the_device_loop(family, fresh_seed):
 
 
 # Two families whose tiny random models emit varied tokens (Mamba's repeat one token per row).
+@pytest.mark.parametrize("layout", LATE_STOPS)
 @pytest.mark.parametrize("family", ["mamba2", "llama"])
-def test_rows_stopped_by_eos_equal_hf_on_the_device_loop(family, fresh_seed):
-    """EOS ids that stop the two rows at different steps: the finished row padded, the output
-    cut where HF stops (the steps run after it, up to the next stop check or the end, discarded)."""
+def test_rows_stopped_by_eos_equal_hf_on_the_device_loop(family, layout, fresh_seed):
+    """EOS ids that stop one row before the first stop check and the other later (before that
+    check or after it, never at the last step): the finished row padded, the output cut where HF
+    stops (the steps the loop ran after it discarded)."""
     model = small_model(family)
     ids, mask = left_padded_prompts(model.config.vocab_size, (6, 10), fresh_seed)
     generate, dm = _tp1(model)
     options = dict(max_new_tokens=NEW_TOKENS, pad_token_id=PAD)
     with eos_in_generation_config(model, None):
         full_new = _hf(model, ids, mask, **options)[:, ids.shape[1]:].tolist()
-    with eos_in_generation_config(model, stopping_eos(full_new)) as eos:
+    with eos_in_generation_config(model, stopping_eos(full_new, LATE_STOPS[layout])) as eos:
         ours = generate(ids, mask, **options)
         assert dm.last_generation_loop == "device"
         hf = _hf(model, ids, mask, **options)
         # Attention: also over static key/value buffers (the step a CUDA graph replays, here eager),
         # which read the mask view of each step.
         static = generate(ids, mask, static_kv=True, **options) if family_of(model).has_attention else ours
-    stops = [first_eos_step(row, eos) for row in full_new]
-    assert len(set(stops)) > 1, f"seed {fresh_seed}: EOS {eos} stops the rows at {stops}, not at different steps"
-    assert hf.shape[1] == ids.shape[1] + max(stops) + 1 < ids.shape[1] + NEW_TOKENS, (stops, hf)
+    low, high = sorted(eos_stops(full_new, eos))
+    assert low < high and low < STOP_CHECK_INTERVAL and high in LATE_STOPS[layout], \
+        f"seed {fresh_seed}: EOS {eos} stops the rows at {low} and {high}, not as {layout} asks"
+    assert hf.shape[1] == ids.shape[1] + high + 1, (low, high, hf)
     assert torch.equal(ours, hf), (fresh_seed, eos, ours, hf)
     assert torch.equal(static, hf), (fresh_seed, eos, static, hf)
 
@@ -80,8 +83,9 @@ def test_tp2_device_loop_equals_hf(tmp_path, fresh_seed):
     out = tmp_path / "device_loop.json"
     ssmshard.launch(device_loop_worker.device_loop_results, 2, "mamba2", fresh_seed, str(out), backend="gloo")
     results = json.loads(out.read_text())
+    assert list(results) == ["length_only", *LATE_STOPS]
     for case, r in results.items():
-        where = f"{case} (seed {fresh_seed}, EOS {r.get('eos')})"
+        where = f"{case} (seed {fresh_seed}, EOS {r.get('eos')} stopping the rows at {r.get('stops')})"
         assert r["loop"] == "device", where
         assert r["ours"] == r["hf"], f"{where}: ours {r['ours']} vs HF {r['hf']}"
         assert r["same_on_all_ranks"], where
