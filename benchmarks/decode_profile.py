@@ -131,7 +131,6 @@ def run(args) -> dict:
     results = {}
     for name, plan in variants(world, args.smoke).items():
         model = build_random_model(config, device, torch.float32 if args.smoke else torch.bfloat16, args.seed)
-        model.generation_config.eos_token_id = None  # every run generates exactly n tokens
         started = time.perf_counter()
         dm = ssmshard.parallelize(model, plan, group=solo[rank] if plan.tp == 1 else None)
         dm.generation_programs()

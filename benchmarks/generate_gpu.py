@@ -111,10 +111,15 @@ SMOKE_MODELS = {f"tiny-{name}": (lambda name=name: BY_NAME[name].make_config()) 
 def build_random_model(config, device, dtype, seed=0):
     """The HF model of ``config`` with random weights drawn on ``device``: built on the meta device
     and materialised there (``to_empty``), never as a full CPU fp32 copy. Buffers (rotary
-    ``inv_freq``) are computed from the config as ``from_pretrained`` does."""
+    ``inv_freq``) are computed from the config as ``from_pretrained`` does.
+
+    The generation config has no EOS token: every benchmark times fixed-length greedy runs, and a
+    random model emits the EOS id now and then. Not ``min_new_tokens``, which forces the EOS logit
+    to -inf and so changes the greedy ids whenever EOS is the argmax."""
     model = build_meta_model(config, dtype=dtype)
     buffers = {name: recompute_buffer(model, name) for name, _ in model.named_buffers()}
     model.to_empty(device=device)
+    model.generation_config.eos_token_id = None
     _init_on_gpu(model, seed=seed, device=device)
     with torch.no_grad():
         for name, value in buffers.items():
@@ -589,9 +594,6 @@ class Bench:
             started = time.perf_counter()
             if model is None:
                 model = build_random_model(config, self.device, self.suite.dtype, self.args.seed)  # ours too
-                # Fixed-length greedy runs on both sides: no EOS stop. Not min_new_tokens, which
-                # forces the EOS logit to -inf and so changes the greedy ids whenever EOS is the argmax.
-                model.generation_config.eos_token_id = None
                 path = hf_kernel_path(model, self.device)
             ids = prompt_ids(config.vocab_size, batch, length, self.args.seed).to(self.device)
             pad = config.pad_token_id if config.pad_token_id is not None else 0
