@@ -161,3 +161,20 @@ def test_explain_tsp_bytes_equal_the_collectives_measured(family, order, weights
     text = plan.explain(capture(model, mode="forward"), model, batch=batch, seq=seq)
     total = next(line for line in text[text.index("TP vs TSP"):].splitlines() if line.split()[:1] == ["total"])
     assert measured == [int(total.split()[2].replace(",", ""))] * world, (family, measured, total)
+
+
+def test_tsp_prefill_traced_shorter_than_the_conv_per_rank_is_refused():
+    """A prefill traced at 8 tokens gives 3 per rank at D = 3, fewer than the conv kernel (4):
+    its chunk would take HF's short-prefill branch, which real chunks never take. The pass says
+    which example length to capture at; traced at that length, the program builds."""
+    from ssmshard.passes.shard import ShardingError
+    from ssmshard.runtime.pipeline import shard_program
+    from test_sequence_parallel import TP3
+
+    model = small_model("mamba", **TP3["mamba"])
+    plan = ssmshard.Plan(tsp=3)
+    with pytest.raises(ShardingError, match=r"3 per rank under tsp=3.*example_seq >= 12"):
+        shard_program(capture(model, mode="prefill"), model, plan, rank=0, group="tsp", sequence_sharded=True)
+    program = shard_program(capture(model, mode="prefill", example_seq=12), model, plan, rank=0, group="tsp",
+                            sequence_sharded=True)
+    assert program.shard["tsp"] == 3 and program.shard["min_chunk"] == 4

@@ -320,6 +320,20 @@ def _conv_width(graph) -> int:
     return max(widths, default=1)
 
 
+def _check_traced_chunk(program, world, min_chunk):
+    """Shapes are propagated at the traced length's chunk: a chunk shorter than the conv kernel
+    would take HF's short-prefill branch (the conv state padded), which real chunks never take
+    (the runtime pads prompts to ``D * c`` tokens with ``c >= min_chunk``)."""
+    users = {i.name for i in program.inputs if i.kind == "user"}
+    ids = next(n for n in program.graph.nodes if n.op == "placeholder" and n.name in users)
+    length = ids.meta["val"].shape[1]
+    traced = length.node.hint if isinstance(length, torch.SymInt) else length
+    if -(-traced // world) < min_chunk:
+        raise ShardingError(f"the prefill program was traced at {traced} tokens, {-(-traced // world)} per rank "
+                            f"under tsp={world}, fewer than the conv kernel ({min_chunk}): capture it with "
+                            f"example_seq >= {world * min_chunk}")
+
+
 # Ops whose forward programs would carry state across tokens in a way this pass does not rewrite.
 _TOKEN_MIXING_UNSUPPORTED = (ssm.causal_conv1d_update.default, ssm.selective_state_update.default)
 
@@ -331,6 +345,8 @@ def tsp(program, ctx):
     declare_group_size(options["group"], options["tsp"])  # fake shapes of collectives before the group exists
     rewriter = _Rewriter(program, options)
     min_chunk = _conv_width(program.graph)
+    if program.mode == "prefill":
+        _check_traced_chunk(program, options["tsp"], min_chunk)
     rewriter.split_tokens()
     rewriter.offset_positions()
     rewriter.gather_weights()
