@@ -102,6 +102,26 @@ def llama3_8b_config():
                        tie_word_embeddings=False)
 
 
+def llama2_7b_config():
+    """A Llama-7B-sized decoder (Llama-2-7B's shape: full multi-head attention, 32K vocabulary)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=131072,
+                       tie_word_embeddings=False)
+
+
+def keep_layers(config, layers: int | None):
+    """``config`` cut to its first ``layers`` layers (all when None), a hybrid's layer pattern too."""
+    if layers:
+        config.num_hidden_layers = min(config.num_hidden_layers, layers)
+        if getattr(config, "layers_block_type", None) is not None:
+            config.layers_block_type = config.layers_block_type[:config.num_hidden_layers]
+        if getattr(config, "hybrid_layer_ids", None) is not None:
+            config.hybrid_layer_ids = [i for i in config.hybrid_layer_ids if i < config.num_hidden_layers]
+    return config
+
+
 GPU_MODELS = {"mamba-2.8b": mamba_2p8b_config, "falcon-mamba-7b": falcon_mamba_7b_config,
               "mamba2-2.7b": mamba2_2p7b_config, "zamba2-2.7b": zamba2_2p7b_config,
               "llama-3-8b": llama3_8b_config}

@@ -41,7 +41,7 @@ import torch.distributed as dist  # noqa: E402
 import ssmshard  # noqa: E402
 from ssmshard.families import BY_NAME  # noqa: E402
 from decode_profile import MATMUL_KERNELS, category, kernel_times  # noqa: E402
-from generate_gpu import (GPU_MODELS, build_random_model, peak_gib, prompt_ids, reset_peak,  # noqa: E402
+from generate_gpu import (GPU_MODELS, build_random_model, keep_layers, peak_gib, prompt_ids, reset_peak,  # noqa: E402
                           synchronize)
 
 # SPD's drop fraction: the sensitivity analysis on the trained small Mamba at tp 2 chose 7 of its
@@ -74,12 +74,6 @@ def variants(world: int, layers: int, smoke: bool) -> dict[str, ssmshard.Plan]:
                       f"tp{t}_fp8": ssmshard.Plan(tp=t, training=False, quantize_syncs="fp8"),
                       f"tp{t}_sp": ssmshard.Plan(tp=t, training=False, sequence_parallel=True)})
     return plans
-
-
-def keep_layers(config, layers: int):
-    if layers:
-        config.num_hidden_layers = min(config.num_hidden_layers, layers)
-    return config
 
 
 @dataclasses.dataclass

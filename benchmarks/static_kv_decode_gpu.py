@@ -29,7 +29,7 @@ import ssmshard
 from ssmshard.families import BY_NAME
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from generate_gpu import build_random_model, llama3_8b_config, zamba2_2p7b_config  # noqa: E402 (sibling script)
+from generate_gpu import build_random_model, keep_layers, llama3_8b_config, zamba2_2p7b_config  # noqa: E402 (sibling script)
 
 GPU_MODELS = {"zamba2-2.7b": zamba2_2p7b_config, "llama-3-8b": llama3_8b_config}
 SMOKE_MODELS = {f"tiny-{name}": (lambda name=name: BY_NAME[name].make_config()) for name in ("zamba2", "llama")}
@@ -72,12 +72,7 @@ def median_seconds(fn, device, repeats):
 
 
 def run_model(name, config, args, device, dtype, bandwidth):
-    if args.layers:
-        config.num_hidden_layers = min(config.num_hidden_layers, args.layers)
-        if hasattr(config, "layers_block_type"):
-            config.layers_block_type = config.layers_block_type[:config.num_hidden_layers]
-        if hasattr(config, "hybrid_layer_ids"):
-            config.hybrid_layer_ids = [i for i in config.hybrid_layer_ids if i < config.num_hidden_layers]
+    keep_layers(config, args.layers)
     model = build_random_model(config, device, dtype) if device.type == "cuda" else \
         BY_NAME[name.removeprefix("tiny-")].model_class()(config).to(dtype).eval()
     model.generation_config.eos_token_id = None  # every run generates max_new_tokens

@@ -1,17 +1,19 @@
 """Peak activation memory per rank and forward time of TP, TP + sequence parallelism and TSP.
 
-    python benchmarks/tsp_memory.py --ranks 2 --seq 16384 32768 65536 --out DIR    # GPUs (NCCL)
+    python benchmarks/tsp_memory.py --ranks 4 --model mamba2-2.7b --seq 16384 131072 --out DIR  # GPUs (NCCL)
     python benchmarks/tsp_memory.py --smoke --out DIR     # CPU, gloo, a tiny model: checks the script
 
-For each plan (``Plan(tp=D)``, ``Plan(tp=D, sequence_parallel=True)``, ``Plan(tsp=D)``) and each
+For each plan (``Plan(tp=D)``, ``Plan(tp=D, sequence_parallel=True)``, ``Plan(tsp=D)`` and
+``Plan(tsp=D, tsp_logits="local")``, which returns each rank's own tokens' logits) and each
 sequence length, one forward pass (no grad) on batch 1: on CUDA the peak of
 ``torch.cuda.max_memory_allocated`` above the weights, on the CPU the peak bytes of live
 activations of the program's graph (``ssmshard.testing.peak_activation_bytes``); and the median
 forward seconds. Writes ``tsp_memory.json`` and ``tsp_memory.png`` (matplotlib) to DIR.
 
-Configs: a Mamba2-2.7B-sized one (64 layers, hidden 2560, 80 heads of 64, 1 group, state 128)
-on GPUs; the small Mamba-2 test config in ``--smoke``, whose figures mean nothing. Other sizes
-(Mamba-2.8B, Zamba2-2.7B, Llama-7B) are the same script with another ``--family``.
+Models (``--model``, random bf16 weights drawn on the GPU, ``--layers`` to keep the first N):
+Mamba-2.8B-, Mamba2-2.7B-, Zamba2-2.7B- and Llama-7B-sized configs (``generate_gpu.py``'s, and
+Llama-2-7B's shape for the last). ``--smoke`` runs the small test config of the same family,
+whose figures mean nothing.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common  # noqa: E402
+import generate_gpu  # noqa: E402  (a sibling script: the GPU-sized configs)
 import torch  # noqa: E402
 
 import ssmshard  # noqa: E402
@@ -33,21 +36,22 @@ from ssmshard.testing import peak_activation_bytes, randomize_weights  # noqa: E
 
 PLANS = {"tp": lambda d: ssmshard.Plan(tp=d, training=False),
          "tp+sp": lambda d: ssmshard.Plan(tp=d, sequence_parallel=True, training=False),
-         "tsp": lambda d: ssmshard.Plan(tsp=d, training=False)}
+         "tsp": lambda d: ssmshard.Plan(tsp=d, training=False),
+         "tsp-local": lambda d: ssmshard.Plan(tsp=d, tsp_logits="local", training=False)}
+
+# --model -> (GPU-sized config, the family whose small test config --smoke runs)
+MODELS = {"mamba-2.8b": (generate_gpu.mamba_2p8b_config, "mamba"),
+          "mamba2-2.7b": (generate_gpu.mamba2_2p7b_config, "mamba2"),
+          "zamba2-2.7b": (generate_gpu.zamba2_2p7b_config, "zamba2"),
+          "llama-7b": (generate_gpu.llama2_7b_config, "llama")}
 
 
-def _model(family, device):
+def _model(name, layers, device):
+    make_config, family = MODELS[name]
     if bench_common.SMOKE:
         return randomize_weights(build_small_model(family), seed=1)
-    from transformers import Mamba2Config, Mamba2ForCausalLM
-
-    if family != "mamba2":
-        raise SystemExit(f"no GPU-sized config for {family} in this script yet; use --family mamba2")
-    config = Mamba2Config(vocab_size=50280, hidden_size=2560, num_hidden_layers=64, num_heads=80, head_dim=64,
-                          n_groups=1, state_size=128, expand=2, conv_kernel=4, chunk_size=256)
-    with torch.device(device):
-        model = Mamba2ForCausalLM(config).to(torch.bfloat16)
-    return randomize_weights(model, seed=1)
+    config = generate_gpu.keep_layers(make_config(), layers)
+    return generate_gpu.build_random_model(config, device, torch.bfloat16, seed=1)
 
 
 def _timed(fn, device) -> float:
@@ -63,9 +67,9 @@ def _timed(fn, device) -> float:
 
 
 @torch.no_grad()
-def rank_main(rank, world, family, lengths, repeats, out):
+def rank_main(rank, world, model_name, layers, lengths, repeats, out):
     device = "cpu" if bench_common.SMOKE else f"cuda:{torch.cuda.current_device()}"
-    model = _model(family, device)
+    model = _model(model_name, layers, device)
     rows = []
     for plan_name, make_plan in PLANS.items():
         dm = ssmshard.parallelize(model, make_plan(world))
@@ -86,8 +90,9 @@ def rank_main(rank, world, family, lengths, repeats, out):
     every_rank = [None] * world
     torch.distributed.all_gather_object(every_rank, rows)
     if rank == 0:
-        result = {"family": family, "ranks": world, "device": "cpu (gloo)" if device == "cpu" else
-                  torch.cuda.get_device_name(), "smoke": bench_common.SMOKE,
+        result = {"model": model_name, "layers": model.config.num_hidden_layers, "ranks": world,
+                  "device": "cpu (gloo)" if device == "cpu" else torch.cuda.get_device_name(),
+                  "smoke": bench_common.SMOKE,
                   "rows": [row for rank_rows in every_rank for row in rank_rows]}
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "tsp_memory.json"), "w") as f:
@@ -103,13 +108,14 @@ def plot(out):
     series = {plan: [next((r["peak_activation_bytes"] / 2**20 for r in rows if r["plan"] == plan and r["seq"] == s),
                           None) for s in lengths] for plan in PLANS}
     bench_common.bar_chart(os.path.join(out, "tsp_memory.png"),
-                           f"{result['family']}: peak activation MiB per rank, {result['ranks']} ranks, "
+                           f"{result['model']}: peak activation MiB per rank, {result['ranks']} ranks, "
                            f"{result['device']}", [f"seq {s}" for s in lengths], series, "MiB")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--family", default="mamba2")
+    parser.add_argument("--model", choices=sorted(MODELS), default="mamba2-2.7b")
+    parser.add_argument("--layers", type=int, default=None, help="keep the model's first N layers (default: all)")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--seq", type=int, nargs="+", default=[16384, 32768, 65536, 131072])
     parser.add_argument("--repeats", type=int, default=3)
@@ -120,7 +126,7 @@ def main():
         args.ranks, args.seq, args.repeats = 2, [32, 64], 1
     elif not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run on GPUs, or pass --smoke to check the script on the CPU")
-    ssmshard.launch(rank_main, args.ranks, args.family, args.seq, args.repeats, args.out,
+    ssmshard.launch(rank_main, args.ranks, args.model, args.layers, args.seq, args.repeats, args.out,
                     backend="gloo" if args.smoke else None)
     plot(args.out)
 

@@ -28,6 +28,7 @@ from .token_layout import ORDERS as TSP_ORDERS
 OPTIONAL_PASSES = ("fuse_rmsnorm", "inplace_decode_states", "fold_weights")
 # How a linear layer under Plan(tsp=D) reads a sharded weight (docs/tsp.md).
 TSP_WEIGHT_SCHEDULES = ("gather", "ring")
+TSP_LOGITS = ("gathered", "local")
 
 
 class PlanError(ValueError):
@@ -96,6 +97,10 @@ class Plan:
     whole weight all-gathered for that op) or ``"ring"`` (the shards passed around the ranks, two
     in flight at once, point-to-point transfers overlapping the matmuls: ``comm.ring``). Other ops
     reading a sharded weight gather it under either (docs/tsp.md).
+    ``tsp_logits``: what a forward program returns under ``tsp``: ``"gathered"`` (the logits of
+    every token on every rank, like ``Plan(tp=...)``) or ``"local"`` (the logits of the rank's own
+    tokens, padding dropped; ``DistributedModule.token_positions(L)`` says which): no gather, and
+    ``1/tsp`` of the logits' memory, for a loss computed per rank (docs/tsp.md, "Local logits").
 
     ``skip_passes``: optimisation passes (``OPTIONAL_PASSES``) to leave out of every program, to
     measure what they bring or to rule one out; the results do not change, only the speed. They
@@ -127,6 +132,7 @@ class Plan:
     tsp: int = 1
     tsp_order: str = "contiguous"
     tsp_weights: str = "gather"
+    tsp_logits: str = "gathered"
     # Optimisation passes to leave out (``OPTIONAL_PASSES``): to compare against, or to rule one out
     # when a program misbehaves. The sharding and sync-point passes are the plan itself.
     skip_passes: list = dataclasses.field(default_factory=list)
@@ -151,6 +157,11 @@ class Plan:
         if self.tsp_weights != "gather" and self.tsp == 1:
             raise PlanError(f"tsp_weights={self.tsp_weights!r} schedules the weight shards of Plan(tsp=D) with D > 1; "
                             "set tsp or leave tsp_weights out")
+        if self.tsp_logits not in TSP_LOGITS:
+            raise PlanError(f"tsp_logits must be one of {', '.join(map(repr, TSP_LOGITS))}, got {self.tsp_logits!r}")
+        if self.tsp_logits != "gathered" and self.tsp == 1:
+            raise PlanError(f"tsp_logits={self.tsp_logits!r} keeps each rank's logits of Plan(tsp=D) with D > 1; set "
+                            "tsp or leave tsp_logits out")
         if self.tsp > 1:
             self._check_tsp()
         if self.kernels not in ("auto", "triton", "reference"):
@@ -256,7 +267,7 @@ class Plan:
         ``swap_kernels`` retargets the SSM ops left in the program (the norms)."""
         steps = [("tsp", {"placements": placements, "rank": rank, "tsp": self.tsp, "group": group,
                           "training": self.training, "order": order,
-                          "weights": self.tsp_weights, "kernels": kernels})]
+                          "weights": self.tsp_weights, "kernels": kernels, "logits": self.tsp_logits})]
         if kernels == "triton":
             steps.append(("swap_kernels", {"kernels": "triton"}))
         return steps
@@ -327,7 +338,7 @@ class Plan:
             self.weight_permutations(program, model)  # a wrong head permutation is an error here too
         if self.tsp > 1:
             lines[0] = (f"Plan(tsp={self.tsp}, tsp_order={self.tsp_order!r}, tsp_weights={self.tsp_weights!r}, "
-                        f"vocab_parallel={self.vocab_parallel}) on {program.family}:")
+                        f"tsp_logits={self.tsp_logits!r}, vocab_parallel={self.vocab_parallel}) on {program.family}:")
         for fqn, spec, block, rule, family in self._rules_by_weight(program):
             where = f"block={block} role={spec.role}"
             placement = ""

@@ -101,6 +101,21 @@ class TokenLayout:
         ordered = torch.cat([gathered.narrow(dim, rows.index(c) * chunk, chunk) for c in range(self.chunks)], dim)
         return ordered if length is None else ordered.narrow(dim, 0, length)
 
+    def real_local(self, local: Tensor, dim: int, length) -> Tensor:
+        """This rank's local tokens along ``dim`` without the padding: each slot's chunk cut to
+        its tokens below ``length`` (a chunk wholly past the end gives none)."""
+        dim %= local.dim()
+        chunk = self.chunk_size(local.shape[dim])
+        pieces = [local.narrow(dim, slot * chunk, torch.sym_max(0, torch.sym_min(chunk, length - c * chunk)))
+                  for slot, c in enumerate(self.held)]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+
+    def real_positions(self, length: int, device=None) -> Tensor:
+        """The global positions of :meth:`real_local`'s tokens of a ``length``-token sequence."""
+        chunk = -(-length // self.chunks)
+        positions = self.positions(chunk, device)
+        return positions[positions < length]
+
 
 def local_positions(arange: Tensor, rank: int, world: int, order: str) -> Tensor:
     """``arange(local length)`` of the rewritten graph made global: each local token's position
@@ -117,3 +132,8 @@ def split_sequence(x: Tensor, dim: int, rank: int, world: int, order: str) -> Te
 def sequence_ordered(gathered: Tensor, dim: int, world: int, order: str, length) -> Tensor:
     """``TokenLayout.in_sequence_order`` as one graph node (the ``tsp`` pass's logits)."""
     return TokenLayout(0, world, order).in_sequence_order(gathered, dim, length)
+
+
+def real_local_tokens(local: Tensor, dim: int, rank: int, world: int, order: str, length) -> Tensor:
+    """``TokenLayout.real_local`` as one graph node (the ``tsp`` pass's local logits)."""
+    return TokenLayout(rank, world, order).real_local(local, dim, length)

@@ -9,7 +9,7 @@ Counted from the programs themselves, per rank and per forward pass, bytes recei
 * TSP: ``(D-1)/D`` of every whole weight an op of the layer reads (each read is one gather), of
   the keys and values of each attention, plus per sequence the conv halo (``k - 1`` tokens) and
   the ``D - 1`` (state, decay) pairs each scan's all-gather brings, and the logits gathered along
-  the sequence. Under ``tsp_order="zigzag"`` a rank holds two chunks: two halos (one shift per
+  the sequence (none under ``tsp_logits="local"``). Under ``tsp_order="zigzag"`` a rank holds two chunks: two halos (one shift per
   chunk) and ``2 (D - 1)`` (state, decay) pairs; keys, values and logits move the same bytes.
 
 The break-even is the number of tokens (batch x sequence) above which TSP moves fewer bytes: its
@@ -46,9 +46,11 @@ def _tp_traffic_per_token(program, model, plan_tp) -> dict:
     return per_layer
 
 
-def _tsp_traffic(program, placements, world: int, slots: int = 1) -> tuple[dict, dict, dict]:
+def _tsp_traffic(program, placements, world: int, slots: int = 1,
+                 gathered_logits: bool = True) -> tuple[dict, dict, dict]:
     """({layer: weight bytes gathered}, {layer: bytes per token}, {layer: bytes per sequence});
-    ``slots``: chunks per rank (``token_layout.TokenLayout.slots``), each with its own halo and state."""
+    ``slots``: chunks per rank (``token_layout.TokenLayout.slots``), each with its own halo and state;
+    ``gathered_logits``: whether the logits are all-gathered (``Plan.tsp_logits``)."""
     from .passes.shard import bytes_per_token, token_symbols
     from .placement import Shard
 
@@ -74,7 +76,7 @@ def _tsp_traffic(program, placements, world: int, slots: int = 1) -> tuple[dict,
             # Mamba-2 (sequence_blocks.selective_scan / ssd_scan).
             decay = state.numel() if node.target is ssm.selective_scan.default else state.shape[0]
             per_sequence[_layer_of(node)] += slots * (world - 1) * (state.numel() + decay) * state.element_size()
-        elif node.op == "output":  # the logits every rank returns whole: gathered along the sequence
+        elif node.op == "output" and gathered_logits:  # the logits every rank returns whole
             for value in node.all_input_nodes:
                 per_token[None] += share * (bytes_per_token(value.meta["val"], tokens) or 0)
     return weights, per_token, per_sequence
@@ -100,12 +102,14 @@ def comparison(program, model, plan, batch: int, seq: int) -> str:
     plan_tp = Plan(tp=world, vocab_parallel=plan.vocab_parallel, rules=list(plan.rules), kernels="reference")
     placements = plan_tp.layout(program, model)
     tp = _tp_traffic_per_token(program, model, plan_tp)
-    weights, per_token, per_sequence = _tsp_traffic(program, placements, world, slots)
+    weights, per_token, per_sequence = _tsp_traffic(program, placements, world, slots,
+                                                    gathered_logits=plan.tsp_logits == "gathered")
     tokens = batch * seq
     local_tokens = batch * slots * -(-seq // (world * slots))
     hidden = _hidden_bytes(program)
     layers = sorted({*tp, *weights, *per_token, *per_sequence}, key=lambda k: (k is None, k if k is not None else 0))
-    lines = [f"TP vs TSP ({plan.tsp_order} tokens) over {world} ranks at batch {batch} x seq {seq} ({tokens} "
+    logits = ", logits kept local" if plan.tsp_logits == "local" else ""
+    lines = [f"TP vs TSP ({plan.tsp_order} tokens{logits}) over {world} ranks at batch {batch} x seq {seq} ({tokens} "
              "tokens), per rank per forward:",
              f"  {'layer':<8} {'TP bytes':>14} {'TSP bytes':>14} {'break-even tokens':>18} "
              f"{'TP stream/layer':>16} {'TSP stream/layer':>17}"]

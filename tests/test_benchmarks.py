@@ -84,7 +84,7 @@ SMOKES = {
     "tp_forward": (["tp_gpu.py", "throughput", "--out", "{out}"], "throughput_tp2.json", "throughput.png",
                    lambda r: r["tp"] == 2 and r["tokens_per_s"] > 0),
     "tsp_memory": (["tsp_memory.py", "--out", "{out}"], "tsp_memory.json", "tsp_memory.png",
-                   lambda r: {row["plan"] for row in r["rows"]} == {"tp", "tp+sp", "tsp"}
+                   lambda r: {row["plan"] for row in r["rows"]} == {"tp", "tp+sp", "tsp", "tsp-local"}
                    and all(row["peak_activation_bytes"] > 0 and row["forward_s"] > 0 for row in r["rows"])),
 }
 

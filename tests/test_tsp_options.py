@@ -126,19 +126,22 @@ class _ReceivedBytes(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("family,order,weights", [
-    ("mamba2", "contiguous", "gather"), ("llama", "contiguous", "gather"), ("mamba2", "zigzag", "gather"),
-    ("mamba2", "contiguous", "ring"), pytest.param("llama", "contiguous", "ring", marks=pytest.mark.slow)])
-def test_explain_tsp_bytes_equal_the_collectives_measured(family, order, weights, monkeypatch):
+@pytest.mark.parametrize("family,order,weights,logits", [
+    ("mamba2", "contiguous", "gather", "gathered"), ("llama", "contiguous", "gather", "gathered"),
+    ("mamba2", "zigzag", "gather", "gathered"), ("mamba2", "contiguous", "ring", "gathered"),
+    ("mamba2", "zigzag", "gather", "local"),
+    pytest.param("llama", "contiguous", "ring", "gathered", marks=pytest.mark.slow)])
+def test_explain_tsp_bytes_equal_the_collectives_measured(family, order, weights, logits, monkeypatch):
     """``plan.explain``'s TSP total (weights, halos, scan states, keys and values, logits) equals
     the bytes each rank's collectives receive in one forward pass, counted at run time (batch 2,
     16 tokens: chunks of 8, or of 4 under zigzag, so every halo comes by one shift). Under
     ``tsp_weights="ring"`` the linear layers' shards arrive through the ring's point-to-point
     shifts inside ``ring_matmul`` (below the ops the dispatch mode sees): counted where the
-    backend starts them; the total is the all-gather's."""
+    backend starts them; the total is the all-gather's. Under ``tsp_logits="local"`` no logits
+    move."""
     model = small_model(family)
     world, batch, seq = 2, 2, 16
-    plan = ssmshard.Plan(tsp=world, tsp_order=order, tsp_weights=weights)
+    plan = ssmshard.Plan(tsp=world, tsp_order=order, tsp_weights=weights, tsp_logits=logits)
     mesh = ssmshard.SimulatedMesh(model, plan)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq))
     ring_bytes = [0] * world
@@ -161,6 +164,50 @@ def test_explain_tsp_bytes_equal_the_collectives_measured(family, order, weights
     text = plan.explain(capture(model, mode="forward"), model, batch=batch, seq=seq)
     total = next(line for line in text[text.index("TP vs TSP"):].splitlines() if line.split()[:1] == ["total"])
     assert measured == [int(total.split()[2].replace(",", ""))] * world, (family, measured, total)
+
+
+@pytest.mark.parametrize("family,world,order,length", [
+    ("mamba2", 2, "contiguous", 7), ("llama", 2, "zigzag", 9),
+    pytest.param("zamba2", 3, "zigzag", 8, marks=pytest.mark.slow)])
+def test_tsp_local_logits_are_each_ranks_rows_of_hf(family, world, order, length, fresh_seed):
+    """``Plan(tsp=D, tsp_logits="local")``: each rank returns the logits of its own tokens (a
+    padded last chunk cut back), at the positions ``token_positions`` names; together the ranks
+    name every position once. Values against HF eager's rows (1e-5); a loss summed per rank over
+    its own rows gives each rank's gradients as the slices of HF's gradient of the whole loss
+    (1e-5 over the rank's gradient vector, 1e-4 per tensor, as tests/test_tsp.py)."""
+    from test_sequence_parallel import TP3
+    from tsp_worker import gradient_errors
+
+    model = small_model(family, **(TP3[family] if world == 3 else {}))
+    mesh = ssmshard.SimulatedMesh(model, ssmshard.Plan(tsp=world, tsp_order=order, tsp_logits="local"))
+    gen = torch.Generator().manual_seed(fresh_seed)
+    ids = torch.randint(0, model.config.vocab_size, (2, length), generator=gen)
+    probe = torch.randn(2, length, model.config.vocab_size, generator=gen)
+    model.zero_grad()
+    want = model(ids).logits
+    (want * probe).sum().backward()
+
+    def rank_main(dm):
+        positions = dm.token_positions(length)
+        logits = dm(ids)
+        (logits * probe[:, positions]).sum().backward()
+        dm.sync_replicated_grads()
+        return positions, logits.detach(), gradient_errors(dm, model, dm.rank)
+
+    try:
+        results = mesh.run(rank_main)
+    finally:
+        model.zero_grad()
+    assert sorted(p for positions, _, _ in results for p in positions.tolist()) == list(range(length))
+    for rank, (positions, logits, errors) in enumerate(results):
+        where = (family, order, rank, fresh_seed)
+        assert logits.shape[:2] == (2, len(positions)), where
+        assert rel_err(logits, want.detach()[:, positions]) < 1e-5, where
+        assert errors["grad_err"] < 1e-5 and errors["worst_tensor_grad_err"] < 1e-4, (where, errors)
+    with pytest.raises(ValueError, match="tsp_logits='local'"):
+        ssmshard.SimulatedMesh(model, ssmshard.Plan(tsp=world)).ranks[0].token_positions(length)
+    with pytest.raises(ssmshard.PlanError, match="tsp_logits"):
+        ssmshard.Plan(tp=2, tsp_logits="local")
 
 
 def test_tsp_prefill_traced_shorter_than_the_conv_per_rank_is_refused():

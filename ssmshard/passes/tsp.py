@@ -22,7 +22,8 @@ the unsharded captured graph:
 * a packed program's ``cu_seqlens`` stays whole (global offsets) and reaches every conv, scan
   and attention, which keep sequences apart across the chunks;
 * the logits are all-gathered along the sequence (put in sequence order, the padding dropped)
-  before the output.
+  before the output; under ``logits="local"`` (``Plan.tsp_logits``) each rank returns its own
+  tokens' logits, the padding dropped (``SeqShard(1)``).
 
 Placements stay on the nodes: ``SeqShard(d)`` where a value carries the local tokens along
 dim ``d``, ``R~`` for a gathered weight, the weights' shards on their placeholders.
@@ -39,7 +40,7 @@ from ..comm.ring import ring_layout, ring_linear
 from ..comm.weights import gather_shards, gathered_ranges
 from ..ops.signatures import SIGNATURES
 from ..placement import REPLICATE, Replicate, SeqShard, Shard
-from ..token_layout import TokenLayout, local_positions, sequence_ordered, split_sequence
+from ..token_layout import TokenLayout, local_positions, real_local_tokens, sequence_ordered, split_sequence
 from .fake_values import propagate_fake_values
 from .manager import register
 from .shard.context import ShardingError, new_node
@@ -62,6 +63,7 @@ class _Rewriter:
         self.training = options.get("training", True)
         self.order = options.get("order", "contiguous")
         self.weight_schedule = options.get("weights", "gather")
+        self.local_logits = options.get("logits", "gathered") == "local"
         self.layout = TokenLayout(self.rank, self.world, self.order)
         # The sequence blocks' scans: "reference" ops or "triton" kernels (Plan.kernel_choice).
         self.kernels = options.get("kernels", "reference")
@@ -271,6 +273,12 @@ class _Rewriter:
         gathered = []
         for value in flat:
             with self.graph.inserting_before(output):
+                if self.local_logits:  # the rank's own tokens, no traffic (Plan.tsp_logits)
+                    node = self.call(real_local_tokens, (value, 1, self.rank, self.world, self.order, self.length),
+                                     value)
+                    node.meta["placement"] = SeqShard(1)
+                    gathered.append(node)
+                    continue
                 if self.layout.slots == 1:
                     node = self.call(ssm.all_gather.default, (value, 1, self.group, self.length), value)
                 else:  # rank order is not sequence order: reorder the chunks, then drop the padding
@@ -355,7 +363,8 @@ def tsp(program, ctx):
     program.graph.eliminate_dead_code()
     program.graph_module.recompile()
     rewriter.record_placements()
-    outputs = [REPLICATE] * (1 + len(program.state_specs) if program.mode == "prefill" else 1)
+    outputs = ([SeqShard(1)] if rewriter.local_logits and program.mode == "forward"
+               else [REPLICATE] * (1 + len(program.state_specs) if program.mode == "prefill" else 1))
     program.shard = {"rank": options["rank"], "tp": options["tsp"], "tsp": options["tsp"], "group": options["group"],
                      "training": rewriter.training, "policy": "tsp", "outputs": outputs,
                      "min_chunk": min_chunk}

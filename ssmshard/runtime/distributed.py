@@ -16,6 +16,7 @@ from ..families import build_meta_model, family_of
 from ..permutation import permuted_local_slice
 from ..placement import Shard, local_slice
 from ..plan import Plan, PlanError
+from ..token_layout import TokenLayout
 from .checkpoint import SafetensorsCheckpoint, match_checkpoint, read_local_weights
 from .pipeline import shard_program
 
@@ -29,7 +30,9 @@ class DistributedModule(torch.nn.Module):
     local parameter's ``.grad`` is this rank's slice of the unsharded model's gradient.
     Built with ``parallelize(..., packed=True)`` it also runs packed batches: ``forward`` of a
     :class:`~ssmshard.packing.PackedBatch` (or ``input_ids`` (1, T) with ``cu_seqlens=``)
-    returns (1, T, vocab) logits, every sequence computed on its own.
+    returns (1, T, vocab) logits, every sequence computed on its own. Under
+    ``Plan(tsp=D, tsp_logits="local")`` it returns the logits of this rank's own tokens only, at
+    the global positions ``token_positions(L)`` names.
     """
 
     def __init__(self, program, weights: dict[str, torch.Tensor], plan: Plan, rank: int, *, model=None,
@@ -106,6 +109,17 @@ class DistributedModule(torch.nn.Module):
         # Re-bind so parameters replaced by .to()/load_state_dict are the ones used.
         program.weights = self._local_weights()
         return program(input_ids, cu_seqlens=cu_seqlens, position_ids=position_ids)
+
+    def token_positions(self, length: int, device=None) -> torch.Tensor:
+        """The global positions (along the sequence of ``length`` tokens; of a packed row, its
+        ``T``) of the rows ``forward`` returns on this rank under ``Plan(tsp=D,
+        tsp_logits="local")``, in the order it returns them: e.g. ``labels[:, positions]`` are
+        this rank's labels. Every position is on exactly one rank."""
+        if self.plan.tsp == 1 or self.plan.tsp_logits != "local":
+            raise ValueError(f"token_positions names the rows of a Plan(tsp=D, tsp_logits='local') forward; this "
+                             f"module's plan has tsp={self.plan.tsp}, tsp_logits={self.plan.tsp_logits!r}, so "
+                             "forward returns every token's logits")
+        return TokenLayout(self.rank, self.plan.tsp, self.plan.tsp_order).real_positions(length, device)
 
     # ----------------------------------------------------------------- generation
     def generation_programs(self):
@@ -229,8 +243,9 @@ class DistributedModule(torch.nn.Module):
         fixes their positions (a ``ValueError`` before any work if the generation could need
         more), ``False`` keeps the growing cache, ``"auto"`` uses them where the decode step is
         a CUDA graph. Without CUDA the static step runs eagerly, with the same tokens.
-        ``device_loop``: greedy generation stopped by length and EOS ids only, without logits
-        processors, streamer or scores, runs without a host synchronisation per step
+        ``device_loop``: greedy or sampled generation stopped by length and EOS ids only, with
+        device-only logits processors (temperature, top-k/p, min-p, repetition penalty, minimum
+        length) and no streamer or scores, runs without a host synchronisation per step
         (``ssmshard.runtime.device_loop``; ``why_not_device_loop`` names what keeps a generation
         on the host loop); ``"auto"`` where it applies, ``True`` raises ``ValueError`` where it
         does not, ``False`` keeps the host loop. ``last_generation_loop`` says which ran last
