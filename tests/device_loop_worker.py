@@ -1,5 +1,5 @@
-"""Worker for the multi-process device-loop test: greedy generation with and without EOS ids
-on every rank, against HF; rank 0 writes the results."""
+"""Worker for the multi-process device-loop test: greedy generation with and without EOS ids,
+and sampling with EOS ids, on every rank, against HF; rank 0 writes the results."""
 
 import json
 
@@ -11,7 +11,7 @@ from ssmshard.runtime.device_loop import STOP_CHECK_INTERVAL
 from conftest import small_model
 
 from finishing_rows import NEW_TOKENS, eos_in_generation_config, first_eos_step
-from generate_hf_arguments import hf_reference
+from generate_hf_arguments import hf_reference, seeded
 from generate_worker import PAD, _same_on_every_rank, left_padded_prompts
 
 
@@ -53,6 +53,16 @@ def device_loop_results(rank, world, family, seed, out_path):
         with eos_in_generation_config(model, stopping_eos(full_new, late_stops)) as eos:
             results[layout] = dict(_compare(dm, model, ids, mask, options), eos=eos,
                                    stops=eos_stops(full_new, eos))
+    # Sampling from a seeded global generator (rank 0 draws), EOS stopping a row after the first check.
+    sampling = dict(options, do_sample=True, temperature=0.8, top_k=40, top_p=0.9)
+    with eos_in_generation_config(model, None):
+        full = hf_reference(lambda: seeded(seed, lambda: model.generate(ids, attention_mask=mask, **sampling)))
+    sampled_new = [row[ids.shape[1]:] for row in full.tolist()]
+    with eos_in_generation_config(model, stopping_eos(sampled_new, LATE_STOPS["across_check"])) as eos:
+        ours = seeded(seed, lambda: dm.generate(ids, mask, **sampling))
+        hf = hf_reference(lambda: seeded(seed, lambda: model.generate(ids, attention_mask=mask, **sampling)))
+        results["sampled"] = {"ours": ours.tolist(), "hf": hf.tolist(), "same_on_all_ranks": _same_on_every_rank(ours),
+                              "loop": dm.last_generation_loop, "eos": eos, "stops": eos_stops(sampled_new, eos)}
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)

@@ -79,11 +79,59 @@ def test_rows_stopped_by_eos_equal_hf_on_the_device_loop(family, layout, fresh_s
     assert torch.equal(static, hf), (fresh_seed, eos, static, hf)
 
 
+SAMPLING = dict(do_sample=True, temperature=0.8, top_k=40, top_p=0.9)
+
+
+def _seeded(seed, call):
+    """``call()`` from a seeded global generator, and the next draws from it after the call."""
+    torch.manual_seed(seed)
+    result = call()
+    return result, torch.rand(4)
+
+
+@pytest.mark.parametrize("stops", ["length_only", *LATE_STOPS])
+def test_sampling_equals_hf_on_the_device_loop(stops, fresh_seed):
+    """Sampling (temperature, top-k, top-p; a repetition penalty too when EOS stops the rows) with
+    a seeded global generator: HF's ids, by length only or with EOS ids stopping the rows at
+    different steps (the loop runs on past HF's end and cuts back), and the generator left where
+    HF's loop leaves it (the next draws equal)."""
+    model = small_model("llama")
+    ids, mask = left_padded_prompts(model.config.vocab_size, (6, 10), fresh_seed)
+    generate, dm = _tp1(model)
+    options = dict(max_new_tokens=NEW_TOKENS, pad_token_id=PAD, **SAMPLING)
+    if stops != "length_only":
+        options["repetition_penalty"] = 1.2
+    with eos_in_generation_config(model, None):
+        full, _ = _seeded(fresh_seed, lambda: _hf(model, ids, mask, **options))
+    eos = None if stops == "length_only" else stopping_eos(full[:, ids.shape[1]:].tolist(), LATE_STOPS[stops])
+    with eos_in_generation_config(model, eos):
+        ours, ours_next = _seeded(fresh_seed, lambda: generate(ids, mask, **options))
+        assert dm.last_generation_loop == "device"
+        hf, hf_next = _seeded(fresh_seed, lambda: _hf(model, ids, mask, **options))
+    where = f"seed {fresh_seed}, EOS {eos}"
+    if eos is not None:
+        low, high = sorted(eos_stops(full[:, ids.shape[1]:].tolist(), eos))
+        assert low < high and high in LATE_STOPS[stops], f"{where} stops the rows at {low} and {high}"
+        assert hf.shape[1] == ids.shape[1] + high + 1, (where, hf)
+    assert torch.equal(ours, hf), (where, ours, hf)
+    assert torch.equal(ours_next, hf_next), where
+
+
+def test_greedy_with_a_repetition_penalty_equals_hf_on_the_device_loop(fresh_seed):
+    model = small_model("mamba2")
+    ids, mask = left_padded_prompts(model.config.vocab_size, (5, 9), fresh_seed)
+    generate, dm = _tp1(model)
+    options = dict(max_new_tokens=NEW_TOKENS, pad_token_id=PAD, repetition_penalty=1.3, min_new_tokens=3)
+    ours = generate(ids, mask, **options)
+    assert dm.last_generation_loop == "device"
+    assert torch.equal(ours, _hf(model, ids, mask, **options)), fresh_seed
+
+
 def test_tp2_device_loop_equals_hf(tmp_path, fresh_seed):
     out = tmp_path / "device_loop.json"
     ssmshard.launch(device_loop_worker.device_loop_results, 2, "mamba2", fresh_seed, str(out), backend="gloo")
     results = json.loads(out.read_text())
-    assert list(results) == ["length_only", *LATE_STOPS]
+    assert list(results) == ["length_only", *LATE_STOPS, "sampled"]
     for case, r in results.items():
         where = f"{case} (seed {fresh_seed}, EOS {r.get('eos')} stopping the rows at {r.get('stops')})"
         assert r["loop"] == "device", where
@@ -105,13 +153,13 @@ class _Collecting(BaseStreamer):
 
 
 INELIGIBLE = [
-    (dict(do_sample=True), "do_sample"),
-    (dict(repetition_penalty=1.3), "RepetitionPenaltyLogitsProcessor"),
+    (dict(do_sample=True, no_repeat_ngram_size=2), "NoRepeatNGramLogitsProcessor"),
+    (dict(output_scores=True, return_dict_in_generate=True), "output_scores"),
     (dict(streamer="streamer"), "streamer"),
 ]
 
 
-@pytest.mark.parametrize("settings, named", INELIGIBLE, ids=["sampling", "repetition_penalty", "streamer"])
+@pytest.mark.parametrize("settings, named", INELIGIBLE, ids=["ngram_processor", "scores", "streamer"])
 def test_settings_it_cannot_run_keep_the_host_loop_and_say_why(settings, named, fresh_seed):
     model = small_model("mamba")
     ids, mask = left_padded_prompts(model.config.vocab_size, (5, 9), fresh_seed)
@@ -127,7 +175,9 @@ def test_settings_it_cannot_run_keep_the_host_loop_and_say_why(settings, named, 
     ours = generate(ids, mask, **options)
     assert dm.last_generation_loop == "host"
     torch.manual_seed(fresh_seed)
-    assert torch.equal(ours, _hf(model, ids, mask, **options)), fresh_seed
+    hf = _hf(model, ids, mask, **options)
+    sequences = lambda out: getattr(out, "sequences", out)  # noqa: E731 (a dict with output_scores)
+    assert torch.equal(sequences(ours), sequences(hf)), fresh_seed
 
 
 def test_device_loop_false_and_invalid_values():

@@ -91,7 +91,7 @@ def generate(prefill_program, decode, input_ids: torch.Tensor, attention_mask: O
     ``model.generation_config``, or without ``model`` from those of a model built from the
     programs' config. ``prefill_chunk_size``: prefill prompts longer than this chunk by chunk
     through ``chunk_program`` (see :func:`prefill`). Sampling draws from ``generator`` (default:
-    torch's global generator) on rank 0 only. ``device_loop``: greedy generation without a host
+    torch's global generator) on rank 0 only. ``device_loop``: generation without a host
     synchronisation per step where it gives the same ids (``"auto"``; ``True`` raises where it
     cannot, ``False`` never: :mod:`ssmshard.runtime.device_loop`).
     """
@@ -121,7 +121,8 @@ def run_generation(prefill_program, decode, setup: GenerationSetup, *, group=Non
     logits, states = prefill(prefill_program, chunk_program, input_ids, attention_mask, position_ids,
                              setup.prefill_chunk_size)
     if device_loop:
-        sequences = device_loop_generate(logits, states, decode, setup, channel, attention_mask, position_ids)
+        sequences = device_loop_generate(logits, states, decode, setup, channel, attention_mask, position_ids,
+                                         generator)
         return GenerateDecoderOnlyOutput(sequences=sequences) if setup.returns_dict else sequences
     if streamer is not None:
         streamer.put(input_ids.cpu())
