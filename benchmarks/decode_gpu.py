@@ -282,9 +282,8 @@ class DecodeBench:
         times = self.timed_step("tpot", lambda: ttft_and_tpot(generate, self.run["new_tokens"],
                                                                 self.run["repeats"], self.device))
         floor = floor_row(model, dm, ids, self.run["new_tokens"], self.bandwidth)
-        graphs = getattr(dm, "_decode_graphs", {})
         self.rec.write("tpot", **where, new_tokens=self.run["new_tokens"], repeats=self.run["repeats"], **times,
-                       **floor, cuda_graph=batch in graphs and graphs[batch].graph is not None,
+                       **floor, cuda_graph=dm.decode_graph(batch) is not None,
                        tpot_over_floor=times["tpot_ms"] / floor["floor_ms"] if floor["floor_ms"] else None)
 
     def ours_ttft(self, name, dm, attention):

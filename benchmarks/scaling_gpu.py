@@ -105,8 +105,8 @@ def timed(ranks: Ranks, fn, repeats: int) -> float:
 def graph_step_ms(dm, batch: int, ranks: Ranks, replays: int = 20) -> float | None:
     """Milliseconds per replay of the decode step's CUDA graph alone, back to back: the GPU's
     share of TPOT (the rest is the host's work between steps). None when the step was not graphed."""
-    graphed = dm._decode_graphs.get(batch)  # the graph generate() just used, kept per batch size
-    if graphed is None or graphed.graph is None:
+    graphed = dm.decode_graph(batch)  # the graph generate() just used, kept per batch size
+    if graphed is None:
         return None
     dist.barrier()
     synchronize(ranks.device)

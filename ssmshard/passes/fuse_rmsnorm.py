@@ -111,7 +111,7 @@ def _match_residual_add(x):
     return add, cast
 
 
-def _channels_whole(*nodes) -> bool:
+def _every_channel_local(*nodes) -> bool:
     """Every channel of these values is on this rank (no placement: the program is not sharded).
     A partial sum holds every channel too: SPD's pending partials enter the residual add before a
     norm (``base + pending``), and the fused node computes the same local arithmetic."""
@@ -132,7 +132,7 @@ def _fuse(graph, match) -> bool:
     """Rewrite one matched norm; True if its residual add was fused too."""
     x, weight, eps, out = match["x"], match["weight"], match["eps"], match["out"]
     residual = _match_residual_add(x)
-    if residual is not None and not _channels_whole(residual[0], *residual[0].args[:2]):
+    if residual is not None and not _every_channel_local(residual[0], *residual[0].args[:2]):
         residual = None
     if residual is None:
         with graph.inserting_before(out):
@@ -170,7 +170,7 @@ def fuse_rmsnorm(program, ctx):
     report = []
     for rsqrt in [n for n in graph.nodes if n.op == "call_function" and n.target is aten.rsqrt.default]:
         match = _match_norm(rsqrt)
-        if match is None or not _channels_whole(match["x"], match["out"]):
+        if match is None or not _every_channel_local(match["x"], match["out"]):
             continue
         tags = match["out"].meta.get("ssmshard", {})
         entry = {"node": rsqrt.name, "module": tags.get("module"), "call_site": tags.get("call_site")}

@@ -337,6 +337,13 @@ class DistributedModule(torch.nn.Module):
             graphed = self._decode_graphs[batch] = GraphedDecode(decode, length)
         return graphed
 
+    def decode_graph(self, batch: int):
+        """The decode step's CUDA graph the last ``generate`` of batch size ``batch`` replayed
+        (a ``runtime.cuda_graph.GraphedDecode``; ``.graph.replay()`` runs one step), or None where
+        that batch decoded eagerly."""
+        graphed = self._decode_graphs.get(batch)
+        return graphed if graphed is not None and graphed.graph is not None else None
+
     def release_cuda_graphs(self) -> None:
         """Free this module's decode CUDA graphs (the next ``generate`` captures again). Call it,
         or ``ssmshard.release_cuda_graphs()``, before ``dist.destroy_process_group()``: a live
