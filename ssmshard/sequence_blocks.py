@@ -310,9 +310,12 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, rank: int, group: str, *, 
                      enable_gqa: bool = False, key_mask: Optional[Tensor] = None,
                      cu_seqlens: Optional[Tensor] = None, order: str = "contiguous") -> Tensor:
     """Causal ``scaled_dot_product_attention`` of this rank's queries (b, h, slots * c, e) over every
-    rank's keys and values (all-gathered along the sequence, left in rank order: the mask compares
-    each query's and key's global position; the padding past the sequence end has the last
-    positions, so causality already hides it from every real query).
+    rank's keys and values, all-gathered along the sequence and put in sequence order. Each slot's
+    queries (chunk ``j``) attend only to the keys before its chunk's end, ``(j + 1) c`` of them: the
+    later keys are masked for every one of its queries, so they are skipped, not computed and
+    masked (rank ``r`` of contiguous chunks reads ``(r + 1) / D`` of the keys; under zigzag every
+    rank reads ``(2D + 1) / 4D`` of them). The padding past the sequence end has the last
+    positions, so causality already hides it from every real query.
 
     ``key_mask``: this rank's chunk (b, c) of a prompt's attention mask (0 at padding, as HF's
     left-padded prompts have): no query sees a padding key, except a padding query its own key
@@ -323,17 +326,29 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, rank: int, group: str, *, 
     counts as one more sequence, so a padding query still sees its own key."""
     layout = TokenLayout(rank, world_of(group), order)
     c = layout.chunk_size(q.shape[-2])
-    keys = all_gather_partial_grad(k.contiguous(), -2, group)  # (b, hk, D * slots * c, e)
+    keys = all_gather_partial_grad(k.contiguous(), -2, group)  # (b, hk, D * slots * c, e), rank order
     values = all_gather_partial_grad(v.contiguous(), -2, group)
-    query_pos = layout.positions(c, q.device)
-    key_pos = layout.gathered_positions(c, q.device)
-    mask = key_pos[None, :] <= query_pos[:, None]  # (slots * c, D * slots * c)
+    valid = all_gather(key_mask.contiguous(), 1, group).bool() if key_mask is not None else None  # (b, D * c)
+    if layout.slots > 1:  # rank order is not sequence order: the keys of chunks 0..j must be a prefix
+        keys, values = layout.in_sequence_order(keys, -2), layout.in_sequence_order(values, -2)
+        valid = layout.in_sequence_order(valid, 1) if valid is not None else None
+    key_seq = query_seq = None
     if cu_seqlens is not None:
         starts = cu_seqlens.to(q.device)
-        key_seq, query_seq = (torch.searchsorted(starts, pos.to(starts.dtype), right=True)
-                              for pos in (key_pos, query_pos))
-        mask = mask & (key_seq[None, :] == query_seq[:, None])
-    if key_mask is not None:
-        valid = all_gather(key_mask.contiguous(), 1, group).bool()  # (b, D * c)
-        mask = (mask & valid[:, None, None, :]) | (key_pos[None, :] == query_pos[:, None])  # (b, 1, c, D * c)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+        key_seq = torch.searchsorted(starts, torch.arange(keys.shape[-2], device=q.device).to(starts.dtype),
+                                     right=True)
+    outputs = []
+    for slot, chunk in enumerate(layout.held):
+        end = (chunk + 1) * c  # keys at global positions < end
+        query_pos = torch.arange(c, device=q.device) + chunk * c
+        key_pos = torch.arange(end, device=q.device)
+        mask = key_pos[None, :] <= query_pos[:, None]  # (c, end)
+        if key_seq is not None:
+            query_seq = key_seq.narrow(0, chunk * c, c)
+            mask = mask & (key_seq[None, :end] == query_seq[:, None])
+        if valid is not None:
+            mask = (mask & valid[:, None, None, :end]) | (key_pos[None, :] == query_pos[:, None])  # (b, 1, c, end)
+        outputs.append(F.scaled_dot_product_attention(q.narrow(-2, slot * c, c), keys[..., :end, :],
+                                                      values[..., :end, :], attn_mask=mask, scale=scale,
+                                                      enable_gqa=enable_gqa))
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, -2)

@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ssmshard import comm, sequence_blocks
 from ssmshard.testing import rel_err
+from ssmshard.token_layout import TokenLayout
 
 TOL = 1e-5
 
@@ -201,6 +202,32 @@ def test_sharded_causal_attention(world, length, order, fresh_seed):
              lambda q, k, v, rank, group: sequence_blocks.causal_attention(q, k, v, rank, group, enable_gqa=True,
                                                                            order=order),
              seq, {}, world, 2, fresh_seed, order)
+
+
+@pytest.mark.parametrize("world,order,key_lengths", [(4, "contiguous", [2, 4, 6, 8]),
+                                                     (2, "zigzag", [2, 4, 6, 8])])
+def test_causal_attention_skips_the_keys_after_each_chunk(world, order, key_lengths, monkeypatch):
+    """Each query chunk ``j`` (2 tokens of 8) attends to the keys before its end only, ``2 (j + 1)``
+    of them: every call's key length, over all ranks, is one chunk's end (zigzag: two calls a rank,
+    chunks 0 and 3 on rank 0, 1 and 2 on rank 1)."""
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def counted(q, k, v, **kwargs):
+        calls.append((q.shape[-2], k.shape[-2]))
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(sequence_blocks.F, "scaled_dot_product_attention", counted)
+    b, h, length, e = 1, 2, 8, 4
+    q, k, v = (torch.randn(b, h, length, e) for _ in range(3))
+
+    def rank_main(rank, world):
+        layout = TokenLayout(rank, world, order)
+        return sequence_blocks.causal_attention(layout.split(q, 2), layout.split(k, 2), layout.split(v, 2), rank,
+                                                "tsp", order=order)
+
+    comm.run_simulated(rank_main, world, group="tsp")
+    assert sorted(calls) == [(2, n) for n in key_lengths], calls
 
 
 def test_zigzag_refuses_packed_rows():
