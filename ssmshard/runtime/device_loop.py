@@ -11,8 +11,9 @@ For greedy decoding or sampling, with logits processors that are device arithmet
 (``DEVICE_PROCESSORS``: temperature, top-k, top-p, min-p, repetition penalty, minimum
 length), no streamer or per-step outputs, and only the length and EOS ids to stop it, every
 step's decision stays on the device: the processors, the argmax or the draw (HF's
-``torch.multinomial``, whose checks are device asserts, not host reads), HF's padding of
-finished rows, and the EOS test. The output ids are preallocated and written column by column,
+``torch.multinomial``; its input checks are device-side asserts in recent torch,
+pytorch/pytorch#134818, where an older torch checks on the host that draw waits for the step),
+HF's padding of finished rows, and the EOS test. The output ids are preallocated and written column by column,
 positions and the mask advance as device tensors and views, and the host learns whether all
 rows finished only every ``STOP_CHECK_INTERVAL`` steps. Each step records whether any row was
 still running, so the output is cut at the step where HF's loop would have stopped; the steps
