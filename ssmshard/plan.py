@@ -91,8 +91,8 @@ class Plan:
     same shards (the prefill's states re-laid into TP's channel-sharded layout).
     ``tsp_order``: which tokens a rank holds in forward programs: ``"contiguous"`` (rank ``r`` holds
     chunk ``r`` of ``tsp``) or ``"zigzag"`` (chunks ``r`` and ``2 tsp - 1 - r`` of ``2 tsp``, so
-    causal attention gives every rank the same work; unpacked forward programs, prefill keeps the
-    contiguous order: docs/tsp.md).
+    causal attention gives every rank the same work; unpacked forward programs and the
+    sequence-sharded prefill: docs/tsp.md).
     ``tsp_weights``: how a linear layer reads a sharded weight under ``tsp``: ``"gather"`` (the
     whole weight all-gathered for that op) or ``"ring"`` (the shards passed around the ranks, two
     in flight at once, point-to-point transfers overlapping the matmuls: ``comm.ring``). Other ops
@@ -228,8 +228,7 @@ class Plan:
         if sequence_sharded and (self.tsp == 1 or mode != "prefill"):
             raise PlanError(f"a sequence-sharded {mode} program needs Plan(tsp=...) and a prefill program")
         if self.tsp > 1 and (mode == "forward" or sequence_sharded):
-            # A sequence-sharded prefill keeps the contiguous order: its states end on the last rank.
-            order = self.tsp_order if mode == "forward" else "contiguous"
+            order = self.tsp_order
             return self._tsp_pipeline(placements=placements, rank=rank, group=group, order=order, kernels=kernels)
         options = {"placements": placements, "rank": rank, "tp": self.tp, "group": group,
                    "training": self.training, "policy": self.policy_for(mode),

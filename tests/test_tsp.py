@@ -109,8 +109,9 @@ GENERATE_FAST = ["zamba2"]
     pytest.param(2, [f for f in SIX_FAMILIES if f not in GENERATE_FAST], "contiguous", "gather",
                  marks=pytest.mark.slow),
     pytest.param(3, SIX_FAMILIES, "contiguous", "gather", marks=pytest.mark.slow),
-    # A zigzag plan's forward order; its prefill program keeps the contiguous order (docs/tsp.md).
+    # Zigzag prefill: the last chunk (and the states after the prompt) on rank 0, K/V reordered.
     pytest.param(2, GENERATE_FAST, "zigzag", "gather", marks=pytest.mark.slow),
+    pytest.param(3, ["mamba", "llama"], "zigzag", "gather", marks=pytest.mark.slow),
     # The prefill program's linear layers through the ring of weight shards.
     pytest.param(2, GENERATE_FAST, "contiguous", "ring", marks=pytest.mark.slow)])
 def test_tsp_prefill_then_greedy_generate_equals_hf(world, families, order, weights, tmp_path, fresh_seed):

@@ -142,7 +142,8 @@ def generate_results(rank, world, cases, seed, out_path, order="contiguous", wei
         dm = ssmshard.parallelize(model, ssmshard.Plan(tsp=world, tsp_order=order, tsp_weights=weights))
         prefill, _ = dm.generation_programs()
         result = {"family": family, "sequence_sharded": isinstance(prefill, SequenceShardedPrefill)
-                  and prefill.program.shard["policy"] == "tsp", "equal": [], "prefill_err": [],
+                  and prefill.program.shard["policy"] == "tsp" and prefill.program.shard["order"] == order,
+                  "equal": [], "prefill_err": [],
                   "rings": sum(n.target is ring_linear for n in prefill.program.graph.nodes)}
         padded = left_padded_prompts(vocab, (5, 12, 9), seed)
         short = (torch.randint(1, vocab, (2, 3), generator=torch.Generator().manual_seed(seed)), None)

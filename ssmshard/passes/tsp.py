@@ -92,9 +92,9 @@ class _Rewriter:
             raise ShardingError(f"the tsp pass shards forward programs over input_ids (packed ones over input_ids "
                                 f"and cu_seqlens) and prefill programs, not a {'packed ' if packed else ''}{mode} "
                                 "program")
-        if self.layout.slots > 1 and (mode != "forward" or packed):
-            raise ShardingError(f"the tsp pass's {self.order!r} order shards unpacked forward programs; a "
-                                f"{'packed ' if packed else ''}{mode} program takes order='contiguous'")
+        if self.layout.slots > 1 and packed:
+            raise ShardingError(f"the tsp pass's {self.order!r} order shards unpacked programs; a packed program "
+                                "takes order='contiguous'")
         ids = users[0]
         self.cu_seqlens = users[1] if packed else None
         if packed:
@@ -246,20 +246,24 @@ class _Rewriter:
             self.gather_logits()
 
     def prefill_outputs(self):
-        """The prompt's last token is the last rank's (the runtime left-pads the prompt to
-        ``D * c`` tokens, ``sequence_blocks.SequenceShardedPrefill``), and so are the SSM and conv
-        states after it: they are broadcast from the last rank. Keys and values are all-gathered
-        along their positions. Every output is then whole on every rank (``R``)."""
+        """The prompt's last token is the last local token of the rank holding the last chunk (the
+        runtime left-pads the prompt to fill every chunk, ``runtime.tsp_prefill``): the last rank,
+        or rank 0 under zigzag (its second chunk). So are the SSM and conv states after it: they are
+        broadcast from that rank. Keys and values are all-gathered along their positions (and put
+        in sequence order under zigzag). Every output is then whole on every rank (``R``)."""
         from ..runtime.static_kv import KV_KINDS, KV_POSITIONS  # (runtime imports the passes)
 
         output = next(n for n in self.graph.nodes if n.op == "output")
         logits, *states = output.args[0]
-        last = self.world - 1
+        last, _ = self.layout.owner(self.layout.chunks - 1)
         outs = []
         for value, spec in zip([logits, *states], [None, *self.program.state_specs]):
             with self.graph.inserting_before(output):
                 if spec is not None and spec.kind in KV_KINDS:
                     node = self.call(ssm.all_gather.default, (value, KV_POSITIONS, self.group), value)
+                    if self.layout.slots > 1:
+                        node.meta["placement"] = REPLICATE
+                        node = self.call(sequence_ordered, (node, KV_POSITIONS, self.world, self.order, None), value)
                 else:
                     node = self.call(ssm.broadcast.default, (value, last, self.group), value)
             node.meta["placement"] = REPLICATE
@@ -328,7 +332,7 @@ def _conv_width(graph) -> int:
     return max(widths, default=1)
 
 
-def _check_traced_chunk(program, world, min_chunk):
+def _check_traced_chunk(program, chunks, min_chunk):
     """Shapes are propagated at the traced length's chunk: a chunk shorter than the conv kernel
     would take HF's short-prefill branch (the conv state padded), which real chunks never take
     (the runtime pads prompts to ``D * c`` tokens with ``c >= min_chunk``)."""
@@ -336,10 +340,10 @@ def _check_traced_chunk(program, world, min_chunk):
     ids = next(n for n in program.graph.nodes if n.op == "placeholder" and n.name in users)
     length = ids.meta["val"].shape[1]
     traced = length.node.hint if isinstance(length, torch.SymInt) else length
-    if -(-traced // world) < min_chunk:
-        raise ShardingError(f"the prefill program was traced at {traced} tokens, {-(-traced // world)} per rank "
-                            f"under tsp={world}, fewer than the conv kernel ({min_chunk}): capture it with "
-                            f"example_seq >= {world * min_chunk}")
+    if -(-traced // chunks) < min_chunk:
+        raise ShardingError(f"the prefill program was traced at {traced} tokens, {-(-traced // chunks)} per chunk "
+                            f"in {chunks} chunks, fewer than the conv kernel ({min_chunk}): capture it with "
+                            f"example_seq >= {chunks * min_chunk}")
 
 
 # Ops whose forward programs would carry state across tokens in a way this pass does not rewrite.
@@ -354,7 +358,8 @@ def tsp(program, ctx):
     rewriter = _Rewriter(program, options)
     min_chunk = _conv_width(program.graph)
     if program.mode == "prefill":
-        _check_traced_chunk(program, options["tsp"], min_chunk)
+        _check_traced_chunk(program, TokenLayout(0, options["tsp"], options.get("order", "contiguous")).chunks,
+                            min_chunk)
     rewriter.split_tokens()
     rewriter.offset_positions()
     rewriter.gather_weights()
@@ -367,5 +372,5 @@ def tsp(program, ctx):
                else [REPLICATE] * (1 + len(program.state_specs) if program.mode == "prefill" else 1))
     program.shard = {"rank": options["rank"], "tp": options["tsp"], "tsp": options["tsp"], "group": options["group"],
                      "training": rewriter.training, "policy": "tsp", "outputs": outputs,
-                     "min_chunk": min_chunk}
+                     "min_chunk": min_chunk, "order": rewriter.order}
     return program

@@ -136,10 +136,11 @@ class DistributedModule(torch.nn.Module):
             prefill = shard_program(capture(self._model, mode="prefill"), self._model, self.plan, **self._shard_options)
             self._generation = {"prefill": prefill, "decode": self._stateful_program("decode", prefill)}
             if self.plan.tsp > 1:
-                # Traced at 8 tokens per rank: the tsp pass propagates shapes over the local chunk,
+                # Traced at 8 tokens per chunk: the tsp pass propagates shapes over the local chunks,
                 # and where HF branches on the conv kernel (the conv state of a prefill shorter than
-                # it is padded) the chunk's traced length must take the branch long prompts take.
-                traced = capture(self._model, mode="prefill", example_seq=8 * self.plan.tsp)
+                # it is padded) a chunk's traced length must take the branch long prompts take.
+                chunks = TokenLayout(0, self.plan.tsp, self.plan.tsp_order).chunks
+                traced = capture(self._model, mode="prefill", example_seq=8 * chunks)
                 self._generation["tsp_prefill"] = shard_program(traced, self._model, self.plan,
                                                                 sequence_sharded=True, **self._shard_options)
         return self._prefill_step(), self._bound(self._generation["decode"])

@@ -6,12 +6,14 @@ rank runs ``c`` tokens of the prompt. Decode feeds one token per step, which can
 over ranks, so generation decodes with ``Plan(tp=D)``'s decode program over the same weight
 shards (the TSP layout *is* the TP layout). What connects them:
 
-* the prompt is left-padded (masked, positions 0, as HF pads a batch) to ``D * c`` tokens with
-  ``c >= `` the widest conv kernel, so the prompt's last token is the last rank's last token
-  and that rank holds the whole conv window before it: the last-token logits and the SSM and
-  conv states after the prompt are the last rank's, which the program broadcasts;
-* attention keys and values are all-gathered along the positions by the program; the padding
-  added here is cut off again (it is masked, so nothing read it);
+* the prompt is left-padded (masked, positions 0, as HF pads a batch) to fill every chunk: ``D``
+  chunks of ``c`` tokens (``2 D`` under ``tsp_order="zigzag"``) with ``c >= `` the widest conv
+  kernel, so the prompt's last token is the last token of the rank holding the last chunk (the
+  last rank; rank 0 under zigzag) and that chunk holds the whole conv window before it: the
+  last-token logits and the SSM and conv states after the prompt are that rank's, which the
+  program broadcasts;
+* attention keys and values are all-gathered along the positions (in sequence order) by the
+  program; the padding added here is cut off again (it is masked, so nothing read it);
 * every state, now whole on every rank, is cut to this rank's part of the tensor-parallel
   prefill's state placement, which is what the decode program takes.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 
 from ..placement import local_slice
+from ..token_layout import TokenLayout
 from .static_kv import KV_KINDS, KV_POSITIONS
 
 
@@ -35,6 +38,7 @@ class SequenceShardedPrefill:
         self.rank = rank
         self.world = program.shard["tsp"]
         self.min_chunk = program.shard["min_chunk"]
+        self.chunks = TokenLayout(rank, self.world, program.shard.get("order", "contiguous")).chunks
         self.state_kinds = [spec.kind for spec in tp_prefill.state_specs]
         self.placements = tp_prefill.shard["outputs"][1:]
 
@@ -44,8 +48,8 @@ class SequenceShardedPrefill:
 
     def __call__(self, input_ids, attention_mask, position_ids, check_inputs: bool = True):
         length = input_ids.shape[1]
-        chunk = max(-(-length // self.world), self.min_chunk)
-        pad = self.world * chunk - length
+        chunk = max(-(-length // self.chunks), self.min_chunk)
+        pad = self.chunks * chunk - length
         ids, mask, positions = (F.pad(t, (pad, 0)) for t in (input_ids, attention_mask, position_ids))
         logits, states = self.program(ids, attention_mask=mask, position_ids=positions, check_inputs=check_inputs)
         local = []
