@@ -211,7 +211,7 @@ def test_tsp_local_logits_are_each_ranks_rows_of_hf(family, world, order, length
 
 
 def test_tsp_prefill_traced_shorter_than_the_conv_per_rank_is_refused():
-    """A prefill traced at 8 tokens gives 3 per rank at D = 3, fewer than the conv kernel (4):
+    """A prefill traced at 8 tokens gives chunks of 3 at D = 3, fewer than the conv kernel (4):
     its chunk would take HF's short-prefill branch, which real chunks never take. The pass says
     which example length to capture at; traced at that length, the program builds."""
     from ssmshard.passes.shard import ShardingError
@@ -220,7 +220,7 @@ def test_tsp_prefill_traced_shorter_than_the_conv_per_rank_is_refused():
 
     model = small_model("mamba", **TP3["mamba"])
     plan = ssmshard.Plan(tsp=3)
-    with pytest.raises(ShardingError, match=r"3 per rank under tsp=3.*example_seq >= 12"):
+    with pytest.raises(ShardingError, match=r"3 per chunk in 3 chunks.*example_seq >= 12"):
         shard_program(capture(model, mode="prefill"), model, plan, rank=0, group="tsp", sequence_sharded=True)
     program = shard_program(capture(model, mode="prefill", example_seq=12), model, plan, rank=0, group="tsp",
                             sequence_sharded=True)
