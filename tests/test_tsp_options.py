@@ -4,6 +4,8 @@ raising before any rank runs. Ranks run in one process on ``ssmshard.SimulatedMe
 ``DistributedModule`` code as a real process; tests/test_simulated_mesh.py checks it against
 gloo processes); tests/test_tsp.py runs TSP in real processes."""
 
+import copy
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -174,7 +176,8 @@ def test_tsp_local_logits_are_each_ranks_rows_of_hf(family, world, order, length
     padded last chunk cut back), at the positions ``token_positions`` names; together the ranks
     name every position once. Values against HF eager's rows (1e-5); a loss summed per rank over
     its own rows gives each rank's gradients as the slices of HF's gradient of the whole loss
-    (1e-5 over the rank's gradient vector, 1e-4 per tensor, as tests/test_tsp.py)."""
+    (1e-5 over the rank's gradient vector, 1e-4 per tensor, or no further from HF's fp64 gradient
+    than 3x HF's fp32 one where that cancels: Zamba2's ``A_log`` at D = 3, as tests/test_tsp.py)."""
     from test_sequence_parallel import TP3
     from tsp_worker import gradient_errors
 
@@ -186,13 +189,15 @@ def test_tsp_local_logits_are_each_ranks_rows_of_hf(family, world, order, length
     model.zero_grad()
     want = model(ids).logits
     (want * probe).sum().backward()
+    exact = copy.deepcopy(model).double()
+    (exact(ids).logits * probe.double()).sum().backward()
 
     def rank_main(dm):
         positions = dm.token_positions(length)
         logits = dm(ids)
         (logits * probe[:, positions]).sum().backward()
         dm.sync_replicated_grads()
-        return positions, logits.detach(), gradient_errors(dm, model, dm.rank)
+        return positions, logits.detach(), gradient_errors(dm, model, dm.rank, exact)
 
     try:
         results = mesh.run(rank_main)
@@ -203,7 +208,7 @@ def test_tsp_local_logits_are_each_ranks_rows_of_hf(family, world, order, length
         where = (family, order, rank, fresh_seed)
         assert logits.shape[:2] == (2, len(positions)), where
         assert rel_err(logits, want.detach()[:, positions]) < 1e-5, where
-        assert errors["grad_err"] < 1e-5 and errors["worst_tensor_grad_err"] < 1e-4, (where, errors)
+        assert errors["grad_within_fp32"] and not errors["tensors_beyond_fp32"], (where, errors)
     with pytest.raises(ValueError, match="tsp_logits='local'"):
         ssmshard.SimulatedMesh(model, ssmshard.Plan(tsp=world)).ranks[0].token_positions(length)
     with pytest.raises(ssmshard.PlanError, match="tsp_logits"):
