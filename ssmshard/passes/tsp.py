@@ -335,7 +335,7 @@ def _conv_width(graph) -> int:
 def _check_traced_chunk(program, chunks, min_chunk):
     """Shapes are propagated at the traced length's chunk: a chunk shorter than the conv kernel
     would take HF's short-prefill branch (the conv state padded), which real chunks never take
-    (the runtime pads prompts to ``D * c`` tokens with ``c >= min_chunk``)."""
+    (the runtime pads prompts to fill every chunk, of ``c >= min_chunk`` tokens)."""
     users = {i.name for i in program.inputs if i.kind == "user"}
     ids = next(n for n in program.graph.nodes if n.op == "placeholder" and n.name in users)
     length = ids.meta["val"].shape[1]
