@@ -332,7 +332,7 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, rank: int, group: str, *, 
     if layout.slots > 1:  # rank order is not sequence order: the keys of chunks 0..j must be a prefix
         keys, values = layout.in_sequence_order(keys, -2), layout.in_sequence_order(values, -2)
         valid = layout.in_sequence_order(valid, 1) if valid is not None else None
-    key_seq = query_seq = None
+    key_seq = None  # with packed rows: each key position's sequence index
     if cu_seqlens is not None:
         starts = cu_seqlens.to(q.device)
         key_seq = torch.searchsorted(starts, torch.arange(keys.shape[-2], device=q.device).to(starts.dtype),
@@ -344,8 +344,7 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, rank: int, group: str, *, 
         key_pos = torch.arange(end, device=q.device)
         mask = key_pos[None, :] <= query_pos[:, None]  # (c, end)
         if key_seq is not None:
-            query_seq = key_seq.narrow(0, chunk * c, c)
-            mask = mask & (key_seq[None, :end] == query_seq[:, None])
+            mask = mask & (key_seq[None, :end] == key_seq.narrow(0, chunk * c, c)[:, None])
         if valid is not None:
             mask = (mask & valid[:, None, None, :end]) | (key_pos[None, :] == query_pos[:, None])  # (b, 1, c, end)
         outputs.append(F.scaled_dot_product_attention(q.narrow(-2, slot * c, c), keys[..., :end, :],

@@ -77,10 +77,6 @@ class TokenLayout:
         local = torch.arange(chunk_size, device=device)
         return torch.cat([local + chunk * chunk_size for chunk in self.held_by(rank)])
 
-    def gathered_positions(self, chunk_size, device=None) -> Tensor:
-        """(chunks * c,) the global positions of an all-gather of every rank's local tokens."""
-        return torch.cat([self.positions(chunk_size, device, rank) for rank in range(self.world)])
-
     def split(self, x: Tensor, dim: int) -> Tensor:
         """This rank's local tokens of a replicated ``x`` (dim ``dim`` the whole sequence), padded
         with zeros at the sequence end to ``chunks * c`` tokens. No traffic. Used for the ids,

@@ -358,8 +358,7 @@ def tsp(program, ctx):
     rewriter = _Rewriter(program, options)
     min_chunk = _conv_width(program.graph)
     if program.mode == "prefill":
-        _check_traced_chunk(program, TokenLayout(0, options["tsp"], options.get("order", "contiguous")).chunks,
-                            min_chunk)
+        _check_traced_chunk(program, rewriter.layout.chunks, min_chunk)
     rewriter.split_tokens()
     rewriter.offset_positions()
     rewriter.gather_weights()

@@ -38,7 +38,7 @@ class SequenceShardedPrefill:
         self.rank = rank
         self.world = program.shard["tsp"]
         self.min_chunk = program.shard["min_chunk"]
-        self.chunks = TokenLayout(rank, self.world, program.shard.get("order", "contiguous")).chunks
+        self.chunks = TokenLayout(rank, self.world, program.shard["order"]).chunks
         self.state_kinds = [spec.kind for spec in tp_prefill.state_specs]
         self.placements = tp_prefill.shard["outputs"][1:]
 
