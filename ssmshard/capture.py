@@ -385,6 +385,7 @@ def _recapture(model, family, program, user_inputs) -> Program:
     from .passes import replay
 
     sibling = replay(sibling, program.history)
+    sibling.compile = program.compile
     if program.weights is not None:
         sibling.weights = program.weights
         sibling.retarget(program.capture_device)

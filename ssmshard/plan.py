@@ -111,6 +111,10 @@ class Plan:
     ``-exp(A_log.float())`` and casts of weights computed once per binding of the weights instead
     of every call: decode always, prefill and chunk when ``training=False``, forward programs
     never, since gradients must reach the weights). docs/decode.md.
+
+    ``compile``: run every program of the plan through ``torch.compile`` (Inductor), the SSM kernels,
+    norms and collectives kept as opaque ops and the glue between them fused; each program compiles
+    on its first call (and again for new shapes), CUDA-graph decode included. docs/compile.md.
     """
 
     tp: int = 1
@@ -136,6 +140,7 @@ class Plan:
     # Optimisation passes to leave out (``OPTIONAL_PASSES``): to compare against, or to rule one out
     # when a program misbehaves. The sharding and sync-point passes are the plan itself.
     skip_passes: list = dataclasses.field(default_factory=list)
+    compile: bool = False
 
     def __post_init__(self):
         if not isinstance(self.tp, int) or self.tp < 1:
@@ -166,6 +171,8 @@ class Plan:
             self._check_tsp()
         if self.kernels not in ("auto", "triton", "reference"):
             raise PlanError(f"kernels must be 'auto', 'triton' or 'reference', got {self.kernels!r}")
+        if not isinstance(self.compile, bool):
+            raise PlanError(f"compile must be True or False, got {self.compile!r}")
         if self.allreduce not in ("nccl", "symm_mem"):
             raise PlanError(f"allreduce must be 'nccl' or 'symm_mem', got {self.allreduce!r}")
         if not isinstance(self.allreduce_max_bytes, int) or self.allreduce_max_bytes <= 0:
@@ -243,7 +250,7 @@ class Plan:
         if kernels == "triton":
             if mode != "forward" or not self.training:  # the fused kernel has no backward
                 steps.append(("fuse_rmsnorm", {}))
-            steps.append(("swap_kernels", {"kernels": "triton"}))
+            steps.append(("swap_kernels", {"kernels": "triton", "compile": self.compile}))
         steps += self.inference_steps(mode)
         return [step for step in steps if (step if isinstance(step, str) else step[0]) not in self.skip_passes]
 
@@ -268,7 +275,7 @@ class Plan:
                           "training": self.training, "order": order,
                           "weights": self.tsp_weights, "kernels": kernels, "logits": self.tsp_logits})]
         if kernels == "triton":
-            steps.append(("swap_kernels", {"kernels": "triton"}))
+            steps.append(("swap_kernels", {"kernels": "triton", "compile": self.compile}))
         return steps
 
     def kernel_choice(self, device: torch.device) -> str:

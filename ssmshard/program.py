@@ -98,6 +98,9 @@ class Program:
         # Shape-bucket cache: sibling programs captured for shapes outside ``ranges`` (see admits).
         self.siblings: list[Program] = []
         self.recapture = None  # callable(user_inputs) -> Program, set by capture() while it holds the model
+        # Run the graph through torch.compile (Plan(compile=True): runtime/compiled.py), on first call.
+        self.compile = False
+        self._compiled = None
         # Filled by the sharding passes (passes/shard): rank, tp, group, output placements;
         # the forward collectives as named sync points, and the same as report rows.
         self.tagged = False  # set by the tag pass: every call_function node carries tags
@@ -203,6 +206,22 @@ class Program:
         self.capture_device = device
 
     # ----------------------------------------------------------------- calling
+    @property
+    def executable(self):
+        """What runs the graph: the graph module, or under ``compile`` its compiled form."""
+        if not self.compile:
+            return self.graph_module
+        if self._compiled is None or self._compiled.graph_module is not self.graph_module:
+            from .runtime.compiled import CompiledGraph
+
+            self._compiled = CompiledGraph(self)
+        return self._compiled
+
+    @property
+    def compilations(self) -> list[dict]:
+        """Every compilation of this program and its shape siblings so far: ``{"seconds", "shapes"}``."""
+        return [c for p in (self, *self.siblings) if p._compiled is not None for c in p._compiled.compilations]
+
     def weight_args(self) -> list[torch.Tensor]:
         if self.weights is None:
             raise RuntimeError("this program has no weights bound: call program.bind(model) first "
@@ -289,7 +308,7 @@ class Program:
             user = [input_ids, attention_mask, position_ids, *states]
         if self.mode == "forward":
             target = self.for_shapes(user)
-            outputs = target.graph_module(*target.weight_args(), *user)
+            outputs = target.executable(*target.weight_args(), *user)
             return outputs[0] if isinstance(outputs, (tuple, list)) else outputs
         return self.run(user)
 
@@ -297,7 +316,7 @@ class Program:
         """``(logits, states)`` of a prefill/decode/chunk graph on its user inputs, as the graph
         orders them (the graph of ``program.siblings`` that serves their shapes)."""
         target = self.for_shapes(user_inputs)
-        outputs = target.graph_module(*target.weight_args(), *user_inputs)
+        outputs = target.executable(*target.weight_args(), *user_inputs)
         return outputs[0], list(outputs[1:])
 
     @property

@@ -21,7 +21,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "benchmarks")
-SCRIPTS = ["allreduce_gpu.py", "bench_capture.py", "decode_gpu.py", "bench_selective_scan.py", "bench_ssd_scan.py",
+SCRIPTS = ["allreduce_gpu.py", "bench_capture.py", "compile_gpu.py", "decode_gpu.py", "bench_selective_scan.py", "bench_ssd_scan.py",
            "bench_causal_conv1d.py", "decode_profile.py", "generate_gpu.py", "scaling_gpu.py", "spd_accuracy.py", "spd_recovery.py",
            "startup.py", "static_kv_decode_gpu.py", "tp_gpu.py",
            "train_packed.py", "train_small_models.py", "tsp_memory.py"]
@@ -175,3 +175,18 @@ def test_scaling_smoke_measures_every_variant_and_plots(tmp_path):
                           env=_env(), capture_output=True, text=True, timeout=300)
     assert plot.returncode == 0 and "tp2_symm_spd" in plot.stdout, plot.stderr[-2000:]
     assert "one prefill forward on rank 0" in plot.stdout
+
+
+@pytest.mark.slow  # compiles eight tiny programs
+def test_compile_benchmark_smoke_run_writes_both_variants(tmp_path):
+    run = subprocess.run([sys.executable, os.path.join(BENCH, "compile_gpu.py"), "--smoke", "--out", str(tmp_path)],
+                         env=_env(), capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in open(tmp_path / "rows.jsonl")]
+    for kind in ("forward", "tpot"):
+        variants = {(r["model"], r["variant"]) for r in rows if r["kind"] == kind}
+        assert variants == {(m, v) for m in ("tiny-mamba", "tiny-mamba2") for v in ("eager", "compiled")}, kind
+    compiled = [r for r in rows if r["kind"] == "start" and r["variant"] == "compiled"]
+    assert all(r["compile_s"]["forward"] and r["compile_s"]["decode"] for r in compiled), compiled
+    assert all(r["logits_rel_err"] < 1e-5 for r in rows if r["kind"] == "forward" and r["variant"] == "compiled")
+    assert (tmp_path / "summary.md").exists()

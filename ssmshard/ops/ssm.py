@@ -25,13 +25,34 @@ def cu_seqlens_arg(node):
     return SIGNATURES[name].bind(node.args, node.kwargs)["cu_seqlens"]
 
 
-def _register_autograd_by_recompute(op, fn: Callable) -> None:
+def recompute_grads(fn: Callable, args: list, grads, wanted: list[int]) -> list[Optional[Tensor]]:
+    """The gradients of ``fn(*args)``'s outputs (upstream ``grads``) with respect to ``args[i]`` for
+    each ``i`` in ``wanted`` (None where none flows): ``fn`` replayed under grad mode on detached
+    copies, autograd differentiating it."""
+    args = list(args)
+    with torch.enable_grad():
+        for i in wanted:
+            args[i] = args[i].detach().requires_grad_(True)
+        outs = fn(*args)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        # Outputs nobody used come back with grad None: leave them out.
+        used = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+        if not used:
+            return [None] * len(wanted)
+        return list(torch.autograd.grad([o for o, _ in used], [args[i] for i in wanted], [g for _, g in used],
+                                        allow_unused=True))
+
+
+def _register_autograd_by_recompute(op, fn: Callable, grads_of: Optional[Callable] = None) -> None:
     """Differentiate ``op`` by re-running its eager implementation ``fn``.
 
     Forward keeps only the inputs; backward replays ``fn`` under grad mode on
     detached copies and lets autograd differentiate the reference. This trades
     a second forward for not having to hand-write five backward passes.
+    ``grads_of(args, grads, wanted)``: what computes the gradients instead of
+    ``recompute_grads(fn, ...)`` (an opaque op doing the same, for compiled graphs).
     """
+    grads_of = grads_of or (lambda args, grads, wanted: recompute_grads(fn, args, grads, wanted))
 
     def setup_context(ctx, inputs, output):
         is_tensor = [isinstance(a, Tensor) for a in inputs]
@@ -47,25 +68,9 @@ def _register_autograd_by_recompute(op, fn: Callable) -> None:
             if isinstance(a, Tensor) and ctx.needs_input_grad[i] and a.is_floating_point()
         ]
         result: list[Optional[Tensor]] = [None] * len(args)
-        if not wanted:
-            return tuple(result)
-        with torch.enable_grad():
-            for i in wanted:
-                args[i] = args[i].detach().requires_grad_(True)
-            outs = fn(*args)
-            outs = outs if isinstance(outs, tuple) else (outs,)
-            # Outputs nobody used come back with grad None: leave them out.
-            used = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
-            if not used:
-                return tuple(result)
-            input_grads = torch.autograd.grad(
-                [o for o, _ in used],
-                [args[i] for i in wanted],
-                [g for _, g in used],
-                allow_unused=True,
-            )
-        for i, g in zip(wanted, input_grads):
-            result[i] = g
+        if wanted:
+            for i, g in zip(wanted, grads_of(args, grads, wanted)):
+                result[i] = g
         return tuple(result)
 
     op.register_autograd(backward, setup_context=setup_context)
@@ -79,10 +84,38 @@ def _define(name: str, reference: Callable, fake: Callable):
     the rest).
     """
     signature = SIGNATURES[name]
-    op = torch.library.custom_op(signature.qualname, reference, mutates_args=(), schema=signature.schema)
+    FAKES[name] = fake
+
+    def run(*args, **kwargs):
+        return in_declared_layout(reference(*args, **kwargs), fake(**signature.bind(args, kwargs)))
+
+    op = torch.library.custom_op(signature.qualname, run, mutates_args=(), schema=signature.schema)
     op.register_fake(lambda *args, **kwargs: fake(**signature.bind(args, kwargs)))
     _register_autograd_by_recompute(op, reference)
     return op
+
+
+# Op name -> its fake implementation (taking the arguments by their schema names).
+FAKES: dict[str, Callable] = {}
+
+
+def in_declared_layout(outputs, declared):
+    """``outputs`` with the strides of ``declared`` (what the op's fake returns for these inputs).
+
+    A compiled graph (Inductor) reads an opaque op's outputs with the strides its fake promised
+    and asserts them, so what an implementation returns must have exactly those: an output laid
+    out otherwise (the reference conv's contiguous output where the fake keeps a transposed
+    input's layout) is copied into the declared layout.
+    """
+    if isinstance(outputs, Tensor):
+        return outputs if _same_strides(outputs, declared) else declared.copy_(outputs)
+    return tuple(o if _same_strides(o, d) else d.copy_(o) for o, d in zip(outputs, declared))
+
+
+def _same_strides(a: Tensor, b: Tensor) -> bool:
+    """Equal strides where it matters: a dim of one element has no stride to respect (as Inductor's
+    ``assert_size_stride`` sees it)."""
+    return all(n == 1 or x == y for n, x, y in zip(a.shape, a.stride(), b.stride()))
 
 
 def _check_packed_fake(cu_seqlens, batch, initial_state=None):

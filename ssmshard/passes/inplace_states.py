@@ -29,7 +29,8 @@ import torch
 
 from ..ops import SIGNATURES
 from .manager import register
-from .swap_kernels import KERNELS, _on_gpu
+from .kernel_ops import opaque_state_writer
+from .swap_kernels import KERNEL_OPS, KERNELS, _on_gpu
 
 _CLONE = torch.ops.aten.clone.default
 # Reading a tensor's shape does not read its data: such users do not see the state change.
@@ -70,13 +71,20 @@ def _state_writer(name: str, state_argument: str, triton: bool):
     return write
 
 
-# Decode-step op or its Triton adapter -> its state-writing variant, and the state argument's index.
+# Decode-step op, its Triton adapter or the adapter's opaque op (compiled programs) -> its
+# state-writing variant and the state argument's index. The opaque variant mutates the state and
+# returns only the output (``kernel_ops``).
 _WRITERS = {}
+_OPAQUE_WRITERS = set()
 for _name, _argument in (("causal_conv1d_update", "conv_state"), ("selective_state_update", "state")):
     _op = getattr(ssm, _name).default
     _index = SIGNATURES[_name].names.index(_argument)
     _WRITERS[_op] = (_state_writer(_name, _argument, triton=False), _index)
-    _WRITERS[KERNELS[_op][0]] = (_state_writer(_name, _argument, triton=True), _index)
+    _kernel_writer = _state_writer(_name, _argument, triton=True)
+    _WRITERS[KERNELS[_op][0]] = (_kernel_writer, _index)
+    _opaque = opaque_state_writer(_name, _argument, _kernel_writer)
+    _WRITERS[KERNEL_OPS[_op]] = (_opaque, _index)
+    _OPAQUE_WRITERS.add(_opaque)
 
 
 def _write_in_op(copy: torch.fx.Node, placeholder: torch.fx.Node) -> bool:
@@ -103,6 +111,13 @@ def _write_in_op(copy: torch.fx.Node, placeholder: torch.fx.Node) -> bool:
     op.target = target
     copy.replace_all_uses_with(new_state)
     op.graph.erase_node(copy)
+    if target in _OPAQUE_WRITERS:  # returns the output alone; the new state is the input itself
+        new_state.replace_all_uses_with(placeholder)
+        op.graph.erase_node(new_state)
+        for out in [u for u in op.users if u.target is operator.getitem and u.args[1] == 0]:
+            out.replace_all_uses_with(op)
+            op.graph.erase_node(out)
+        op.meta["val"] = op.meta["val"][0]
     return True
 
 

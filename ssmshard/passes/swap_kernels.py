@@ -9,7 +9,9 @@ A node no kernel serves (an op without a kernel yet, a shape outside a kernel's 
 listed in ``program.kernel_report`` and named in a warning: never silently left on the slow
 path.
 
-Options: ``kernels`` = "triton" (swap; the default) or "reference" (report only).
+Options: ``kernels`` = "triton" (swap; the default) or "reference" (report only); ``compile``:
+retarget to the adapters as opaque ops (``kernel_ops``), which ``torch.compile`` keeps as they
+are, instead of the Python adapters (``Plan(compile=True)``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from ..ops import SIGNATURES
 from ..program import op_name
+from .kernel_ops import opaque_kernel_op
 from .manager import register
 
 ssm = torch.ops.ssmshard
@@ -108,6 +111,8 @@ _TRITON = [
 # op -> (adapter, module the kernel lives in, static check)
 KERNELS = {getattr(ssm, name).default: (_adapter(name, module, call, inference_only), module, check)
            for name, module, call, inference_only, check in _TRITON}
+# op -> its adapter as an opaque op (``kernel_ops``): the target under ``compile``.
+KERNEL_OPS = {op: opaque_kernel_op(op.name().split("::")[-1], adapter) for op, (adapter, _, _) in KERNELS.items()}
 # The ops a kernel could serve: every op with a declared signature. Collectives and other
 # ssmshard ops are not kernels' business.
 _KERNEL_CANDIDATES = set(SIGNATURES)
@@ -125,6 +130,7 @@ def _kernel_module_error(module: str):
 def swap_kernels(program, ctx):
     """Retarget reference SSM op nodes to their Triton kernels (see module docstring)."""
     mode = ctx.options.get("kernels", "triton")
+    targets = KERNEL_OPS if ctx.options.get("compile", False) else None
     if mode not in ("triton", "reference"):
         raise ValueError(f"kernels must be 'triton' or 'reference', got {mode!r}")
     report = []
@@ -142,7 +148,7 @@ def swap_kernels(program, ctx):
         if mode == "reference":
             why = why or "kernels='reference' was asked for"
         if why is None:
-            node.target = adapter
+            node.target = adapter if targets is None else targets[node.target]
         report.append({"node": node.name, "op": name, "kernel": "triton" if why is None else None,
                        "why": why})
     program.graph_module.recompile()

@@ -107,7 +107,7 @@ class GraphedDecode:
         target = self.program.for_shapes(inputs)
         self.target = target
         self.weights = target.weight_args()
-        step = target.graph_module
+        step = target.executable
 
         def run():
             return step(*self.weights, *inputs)

@@ -55,6 +55,7 @@ def shard_program(program, model, plan, *, rank: int, group: str, kernels: str =
     log.info("%s: %s", what, ", ".join(times))
     if plan.head_permutations and program.shard is not None:  # applied to the weights on their way to the rank; recorded for reports
         program.shard["head_permutations"] = sorted(plan.head_permutations)
+    program.compile = plan.compile
     if states is not None:
         for i, (given, back) in enumerate(zip(states, program.shard["outputs"][1:])):
             if not same_data(given, back):

@@ -1,0 +1,101 @@
+"""Compiled rank programs (``Plan(compile=True)``): forward, prefill, chunk and decode programs
+through torch.compile give Hugging Face eager's logits, gradients and greedy tokens, at tp 1
+and 2 (gloo on the CPU; on a GPU the Triton kernels as opaque ops and the compiled decode step
+replayed as a CUDA graph)."""
+
+import json
+
+import pytest
+import torch
+
+import ssmshard
+from ssmshard.plan import PlanError
+
+from conftest import SIX_FAMILIES
+import compile_worker
+from finishing_rows import check_finishing_rows
+
+
+def test_compile_must_be_a_bool():
+    with pytest.raises(PlanError, match="compile must be True or False"):
+        ssmshard.Plan(compile="inductor")
+
+
+def _compiled(world, family, seed, tmp_path, device="cpu"):
+    out = tmp_path / "compiled.json"
+    ssmshard.launch(compile_worker.compiled_vs_hf, world, family, seed, str(out), device,
+                    backend="nccl" if device == "cuda" else "gloo")
+    return json.loads(out.read_text())
+
+
+def _check(result, where, gradients):
+    assert result["logits_err"] < 1e-5 and result["longer_err"] < 1e-5, (where, result["logits_err"], result["longer_err"])
+    if gradients:
+        assert not result["no_grad"], (where, result["no_grad"])
+        assert result["grad_err"] < 1e-5, (where, result["grad_err"])
+    assert result["ours"] == result["hf"], where
+    assert result["chunked"] == result["ours"], where
+    check_finishing_rows(result["finishing"], where)
+    # Each program ran compiled.
+    assert all(count >= 1 for count in result["compilations"].values()), (where, result["compilations"])
+
+
+@pytest.mark.parametrize("world,family", [(1, "mamba"), (2, "mamba2")])
+def test_compiled_programs_equal_hf(world, family, tmp_path, fresh_seed):
+    _check(_compiled(world, family, fresh_seed, tmp_path), f"{family} tp={world} (seed {fresh_seed})", world == 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,family", [(1, f) for f in SIX_FAMILIES if f != "mamba"]
+                         + [(2, f) for f in ("zamba2", "llama")])
+def test_compiled_programs_of_every_family_equal_hf(world, family, tmp_path, fresh_seed):
+    _check(_compiled(world, family, fresh_seed, tmp_path), f"{family} tp={world} (seed {fresh_seed})", world == 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels and CUDA graphs need a GPU")
+@pytest.mark.parametrize("family", SIX_FAMILIES)
+def test_compiled_graphed_decode_on_a_gpu_equals_hf(family, tmp_path, fresh_seed):
+    """On a GPU: the SSM kernels as opaque ops in the compiled graphs, the compiled decode step
+    captured as a CUDA graph (attention families over static key/value buffers)."""
+    result = _compiled(1, family, fresh_seed, tmp_path, "cuda")
+    _check(result, f"{family} tp=1 on a GPU (seed {fresh_seed})", gradients=True)
+    assert result["graphed"], family
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor-parallel CUDA graphs need 2 GPUs")
+@pytest.mark.parametrize("family", SIX_FAMILIES)
+def test_compiled_graphed_decode_at_tp2_on_gpus_equals_hf(family, tmp_path, fresh_seed):
+    result = _compiled(2, family, fresh_seed, tmp_path, "cuda")
+    _check(result, f"{family} tp=2 on GPUs (seed {fresh_seed})", gradients=False)
+    assert result["graphed"], family
+
+
+@pytest.mark.parametrize("family", ["mamba", "mamba2"])
+def test_kernel_ops_compile_with_their_gradients(family, fresh_seed):
+    """The path a GPU takes, on the CPU: SSM nodes retargeted to the opaque kernel ops (which run
+    the reference off CUDA), the program compiled; logits and every weight's gradient against
+    HF eager (1e-5 relative, whole gradient), the backward through the ``<op>_grad`` ops."""
+    from ssmshard.passes import run_pipeline
+    from ssmshard.testing import rel_err
+
+    from conftest import small_model
+
+    model = small_model(family)
+    program = run_pipeline(ssmshard.capture(model), [("swap_kernels", {"kernels": "triton", "compile": True})])
+    assert {str(n.target).split(".")[0] for n in program.graph.nodes if "ssmshard" in str(n.target)} == {"ssmshard_kernels"}
+    program.compile = True
+    weights = {k: v.detach().clone().requires_grad_(True) for k, v in program.weights.items()}
+    program.weights = weights
+    generator = torch.Generator().manual_seed(fresh_seed)
+    ids = torch.randint(1, model.config.vocab_size, (2, 12), generator=generator)
+    scale = torch.randn(2, 12, model.config.vocab_size, generator=generator)
+    logits = program(ids)
+    (logits * scale).sum().backward()
+    expected = model(ids).logits
+    (expected * scale).sum().backward()
+    assert program.compilations, "the program did not run compiled"
+    assert rel_err(logits, expected) < 1e-5
+    hf = dict(model.named_parameters(remove_duplicate=False))
+    diff = max((weights[k].grad - hf[k].grad).abs().max().item() for k in weights)
+    scale_of = max(hf[k].grad.abs().max().item() for k in weights)
+    assert diff / scale_of < 1e-5, (family, fresh_seed, diff / scale_of)
