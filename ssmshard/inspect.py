@@ -85,6 +85,11 @@ def sharding_report(program, *, weights: bool = True, activations: bool = False)
     if shard is None:
         return "not sharded (run the sharding passes, e.g. through ssmshard.parallelize)"
     lines = [f"rank {shard['rank']} of tp={shard['tp']} ({shard.get('policy', 'MegatronPolicy')})"]
+    if program.compile:
+        compiled = program.compilations
+        lines.append(f"compiled (Plan(compile=True)): {len(compiled)} compilations so far, "
+                     f"{sum(c['seconds'] for c in compiled):.1f}s"
+                     + "".join(f"; {c['shapes'][:1]} {c['seconds']:.1f}s" for c in compiled))
     if weights:
         lines.append(f"{'weight':<58} {'placement':<36} local shape")
         for fqn, spec in program.param_specs.items():

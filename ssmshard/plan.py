@@ -200,6 +200,10 @@ class Plan:
         if self.tp not in (1, self.tsp):
             raise PlanError(f"Plan(tsp={self.tsp}) folds tensor parallelism into the same {self.tsp} ranks; "
                             f"tp={self.tp} cannot be added (leave tp out or set tp={self.tsp})")
+        if self.compile:
+            raise PlanError("Plan(tsp=..., compile=True) is not supported: a TSP rank's graph differs by rank, and "
+                            "Inductor, scheduling each rank's graph on its own, can order their collectives "
+                            "differently (a mismatch or a hang); leave compile out under tsp (docs/compile.md)")
         conflicts = [name for name, on in (("sequence_parallel", self.sequence_parallel),
                                            ("policy", self.policy is not None),
                                            ("quantize_syncs", self.quantize_syncs is not None),

@@ -67,6 +67,7 @@ def compiled_vs_hf(rank, world, family, seed, out_path, device="cpu"):
                     "decode": len(decode.compilations) + (len(dm.static_decode_program().compilations)
                                                           if device == "cuda" and dm.program.family in ATTENTION
                                                           else 0)}
+        report = dm.program.report()
         graphed = dm.decode_graph(prompts.shape[0]) is not None  # on a GPU: the compiled step as a CUDA graph
     finally:
         model.cpu()  # the model object is shared by the tests of this process
@@ -74,4 +75,5 @@ def compiled_vs_hf(rank, world, family, seed, out_path, device="cpu"):
         with open(out_path, "w") as f:
             json.dump({"logits_err": logits_err, "longer_err": longer_err, "grad_err": grad_err, "no_grad": no_grad,
                        "ours": ours.tolist(), "chunked": chunked.tolist(), "hf": hf.tolist(),
-                       "finishing": finishing, "compilations": compiled, "graphed": graphed}, f)
+                       "finishing": finishing, "compilations": compiled, "graphed": graphed,
+                       "report": report}, f)

@@ -21,6 +21,11 @@ def test_compile_must_be_a_bool():
         ssmshard.Plan(compile="inductor")
 
 
+def test_compiled_tsp_is_refused_before_anything_runs():
+    with pytest.raises(PlanError, match="tsp=.*compile=True.*not supported.*order their collectives"):
+        ssmshard.Plan(tsp=2, compile=True)
+
+
 def _compiled(world, family, seed, tmp_path, device="cpu"):
     out = tmp_path / "compiled.json"
     ssmshard.launch(compile_worker.compiled_vs_hf, world, family, seed, str(out), device,
@@ -36,8 +41,9 @@ def _check(result, where, gradients):
     assert result["ours"] == result["hf"], where
     assert result["chunked"] == result["ours"], where
     check_finishing_rows(result["finishing"], where)
-    # Each program ran compiled.
+    # Each program ran compiled, and the report says what compiling took.
     assert all(count >= 1 for count in result["compilations"].values()), (where, result["compilations"])
+    assert f"compiled (Plan(compile=True)): {result['compilations']['forward']} compilations" in result["report"], where
 
 
 @pytest.mark.parametrize("world,family", [(1, "mamba"), (2, "mamba2")])

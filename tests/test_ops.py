@@ -529,3 +529,21 @@ def test_opcheck(name):
         # shapes takes ~15 s, too slow for this file.
         utils.append("test_aot_dispatch_dynamic")
     torch.library.opcheck(getattr(OPS, name).default, args, test_utils=utils)
+
+
+def test_ops_return_the_layout_their_fake_declares():
+    """A compiled graph reads an opaque op's outputs with the strides of its fake (Inductor asserts
+    them): the conv of a transposed input (in_proj's output, as HF feeds it) keeps that layout,
+    a scan's outputs are contiguous, on the reference implementations as on the fakes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x = torch.randn(2, 9, 6).transpose(1, 2)  # (b, d, l) viewed from (b, l, d)
+    w, b = torch.randn(6, 4), torch.randn(6)
+    out = OPS.causal_conv1d(x, w, b, "silu")
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = OPS.causal_conv1d(mode.from_tensor(x), mode.from_tensor(w), mode.from_tensor(b), "silu")
+    assert out.stride() == fake.stride() == x.stride()
+    assert_close(out, seq_conv(x, w, b, "silu"), 1e-5)
+    scan_args = make_selective_scan(2, 4, 3, 5)
+    y, state = OPS.selective_scan(*scan_args)
+    assert y.is_contiguous() and state.is_contiguous()
