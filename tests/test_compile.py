@@ -76,7 +76,9 @@ def test_compiled_graphed_decode_at_tp2_on_gpus_equals_hf(family, tmp_path, fres
     assert result["graphed"], family
 
 
-@pytest.mark.parametrize("family", ["mamba", "mamba2"])
+# Llama: transformers 5.17 exports its rotary embedding as a no-grad region, which is inlined
+# before compiling (runtime/compiled.py); the compat run checks it on that version.
+@pytest.mark.parametrize("family", ["mamba", "mamba2", pytest.param("llama", marks=pytest.mark.compat)])
 def test_kernel_ops_compile_with_their_gradients(family, fresh_seed):
     """The path a GPU takes, on the CPU: SSM nodes retargeted to the opaque kernel ops (which run
     the reference off CUDA), the program compiled; logits and every weight's gradient against
@@ -88,7 +90,7 @@ def test_kernel_ops_compile_with_their_gradients(family, fresh_seed):
 
     model = small_model(family)
     program = run_pipeline(ssmshard.capture(model), [("swap_kernels", {"kernels": "triton", "compile": True})])
-    assert {str(n.target).split(".")[0] for n in program.graph.nodes if "ssmshard" in str(n.target)} == {"ssmshard_kernels"}
+    assert {str(n.target).split(".")[0] for n in program.graph.nodes if "ssmshard" in str(n.target)} <= {"ssmshard_kernels"}
     program.compile = True
     weights = {k: v.detach().clone().requires_grad_(True) for k, v in program.weights.items()}
     program.weights = weights
@@ -102,6 +104,8 @@ def test_kernel_ops_compile_with_their_gradients(family, fresh_seed):
     assert program.compilations, "the program did not run compiled"
     assert rel_err(logits, expected) < 1e-5
     hf = dict(model.named_parameters(remove_duplicate=False))
-    diff = max((weights[k].grad - hf[k].grad).abs().max().item() for k in weights)
-    scale_of = max(hf[k].grad.abs().max().item() for k in weights)
+    params = [k for k in weights if k in hf]  # not the buffers (rotary inv_freq)
+    assert params and all(weights[k].grad is not None for k in params)
+    diff = max((weights[k].grad - hf[k].grad).abs().max().item() for k in params)
+    scale_of = max(hf[k].grad.abs().max().item() for k in params)
     assert diff / scale_of < 1e-5, (family, fresh_seed, diff / scale_of)
