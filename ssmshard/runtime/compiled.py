@@ -31,7 +31,9 @@ class CompiledGraph:
     """``program.graph_module`` under ``torch.compile``, recording what each compilation cost.
 
     ``compilations``: one ``{"seconds", "shapes"}`` per call that compiled (the seconds are the
-    whole call: tracing, Inductor and the first run), ``shapes`` the user inputs' shapes.
+    whole call: tracing, Inductor and the first run), ``shapes`` the user inputs' shapes. A call
+    counts as compiling when Dynamo's process-wide graph count grew during it: with the ranks of a
+    ``SimulatedMesh`` compiling side by side in threads, each rank may list the others' too.
     """
 
     def __init__(self, program):
@@ -63,14 +65,11 @@ def without_grad_regions(graph_module: torch.fx.GraphModule) -> torch.fx.GraphMo
     embedding) are inlined, their outputs detached: the same values, and no gradient through
     them, as under no_grad. Dynamo cannot re-trace such a region when a symbolic size enters it
     ("unexpected freevars")."""
-    regions = [n for n in graph_module.graph.nodes if n.op == "call_function" and n.target is _NO_GRAD_REGION
-               and n.args[0] is False]
-    if not regions:
+    if not _no_grad_regions(graph_module.graph):
         return graph_module
     graph = copy.deepcopy(graph_module.graph)
     result = torch.fx.GraphModule(graph_module, graph)
-    for node in [n for n in graph.nodes if n.op == "call_function" and n.target is _NO_GRAD_REGION
-                 and n.args[0] is False]:
+    for node in _no_grad_regions(graph):
         submodule = getattr(result, node.args[1].target)
         env = dict(zip([n for n in submodule.graph.nodes if n.op == "placeholder"], node.args[2:]))
         with graph.inserting_before(node):
@@ -91,3 +90,7 @@ def without_grad_regions(graph_module: torch.fx.GraphModule) -> torch.fx.GraphMo
     graph.lint()
     result.recompile()
     return result
+
+
+def _no_grad_regions(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    return [n for n in graph.nodes if n.op == "call_function" and n.target is _NO_GRAD_REGION and n.args[0] is False]
