@@ -14,6 +14,22 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return (actual - expected).abs().max().item() / (scale if scale > 0 else 1.0)
 
 
+def joint_rel_err(pairs) -> float:
+    """:func:`rel_err` of many tensors taken as one vector (``pairs``: ``(actual, expected)``):
+    max |actual - expected| over all of them, over max |expected| over all of them.
+
+    The measure for a whole gradient: a parameter whose gradient is a long cancelling sum
+    (A_log's) moves by ~1e-5 of its own size when a reduction adds in another order, while a
+    wrong shard or reduction moves gradients by O(1) of the model's largest.
+    """
+    diff = scale = 0.0
+    for actual, expected in pairs:
+        actual, expected = actual.detach().double(), expected.detach().double()
+        diff = max(diff, (actual - expected).abs().max().item())
+        scale = max(scale, expected.abs().max().item())
+    return diff / (scale if scale > 0 else 1.0)
+
+
 @torch.no_grad()
 def randomize_weights(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     """Re-draw every weight so that each block moves the residual stream by O(1).

@@ -6,7 +6,7 @@ import json
 import torch
 
 import ssmshard
-from ssmshard.testing import rel_err
+from ssmshard.testing import joint_rel_err, rel_err
 
 from conftest import small_model
 from finishing_rows import finishing_rows
@@ -27,19 +27,12 @@ def _gradient_error(model, dm, ids):
     expected = {k: p.grad.clone() for k, p in model.named_parameters(remove_duplicate=False) if p.grad is not None}
     model.zero_grad(set_to_none=True)
     (dm(ids) * weights).sum().backward()
-    diff = scale = 0.0
-    missing = []
-    for fqn, spec in dm.program.param_specs.items():
-        if spec.kind != "parameter":
-            continue
-        grad = dm.local_weight(fqn).grad
-        if grad is None:
-            missing.append(fqn)
-            continue
-        diff = max(diff, (grad - expected[fqn]).abs().max().item())
-        scale = max(scale, expected[fqn].abs().max().item())
+    grads = {fqn: dm.local_weight(fqn).grad for fqn, spec in dm.program.param_specs.items()
+             if spec.kind == "parameter"}
+    missing = [fqn for fqn, grad in grads.items() if grad is None]
+    error = joint_rel_err((grad, expected[fqn]) for fqn, grad in grads.items() if grad is not None)
     model.zero_grad(set_to_none=True)
-    return diff / scale, missing
+    return error, missing
 
 
 def compiled_vs_hf(rank, world, family, seed, out_path, device="cpu"):

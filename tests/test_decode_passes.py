@@ -81,6 +81,18 @@ def _step_by_step(model, plain, passed, seed):
     return results, same_objects
 
 
+def greedy_tokens_and_hf(model, decode, seed, max_new_tokens=10):
+    """Greedy tokens of the captured prefill and ``decode`` from left-padded prompts of three
+    lengths, and HF generate's for the same prompts."""
+    prefill = ssmshard.capture(model, mode="prefill")
+    ids, mask = left_padded_prompts(model.config.vocab_size, (5, 12, 9), seed)
+    tokens = generate(prefill, decode, ids, mask, max_new_tokens=max_new_tokens, pad_token_id=PAD)
+    with torch.no_grad():
+        hf = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
+                            pad_token_id=PAD)
+    return tokens, hf
+
+
 # Zamba's program is the largest of the six and its decode states are rewritten as Zamba2's are:
 # in the slow set, to keep the default suite under its time budget.
 @pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f == "zamba" else f
@@ -93,11 +105,7 @@ def test_decode_passes_keep_logits_and_hf_tokens(family, fresh_seed):
     for got, expected in results:
         assert torch.equal(got, expected), where
     assert same_objects, where
-    prefill = ssmshard.capture(model, mode="prefill")
-    ids, mask = left_padded_prompts(model.config.vocab_size, (5, 12, 9), fresh_seed)
-    tokens = generate(prefill, passed, ids, mask, max_new_tokens=10, pad_token_id=PAD)
-    with torch.no_grad():
-        hf = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=10, pad_token_id=PAD)
+    tokens, hf = greedy_tokens_and_hf(model, passed, fresh_seed)
     assert torch.equal(tokens, hf), where
 
 

@@ -12,6 +12,7 @@ from transformers.models.zamba2.modeling_zamba2 import Zamba2RMSNorm
 
 import ssmshard.ops  # noqa: F401  (registers torch.ops.ssmshard)
 from ssmshard.kernels import rms_norm as kernel
+from ssmshard.testing import rel_err
 
 ssm = torch.ops.ssmshard
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels' tests: Triton's interpreter on the CPU
@@ -144,5 +145,5 @@ def test_add_rms_norm_gradient_is_torchs(fresh_seed):
     s = residual + x
     expected = weight * (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + EPS))
     expected_grads = torch.autograd.grad((s.sin() * expected).sum(), (x, residual, weight))
-    for g, e in zip(grads, expected_grads):
-        torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-6)
+    for g, e in zip(grads, expected_grads):  # sums over d: the order of addition differs
+        assert rel_err(g, e) <= 1e-5

@@ -28,6 +28,7 @@ from ssmshard import ops  # noqa: F401  (registers torch.ops.ssmshard)
 from ssmshard.kernels import reference
 from ssmshard.kernels.selective_scan import ScanConfig, _segments, default_config, selective_scan, selective_scan_as_op
 from ssmshard.kernels.state_update import selective_state_update
+from ssmshard.testing import rel_err
 from test_ops import seq_state_update  # float64 decode-step loop, Mamba-2 layout, head by head
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -85,10 +86,6 @@ def seq_selective_scan(u, delta, A, B, C, D, z, delta_bias, softplus, init, offs
 
 # --- helpers ----------------------------------------------------------------------------------
 
-
-def rel_err(got, want):
-    got, want = got.detach().double().cpu(), want.detach().double().cpu()
-    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
 
 def make_scan_inputs(b, d, l, n, g=None, dtype=torch.float32, D=True, z=True, bias=True,

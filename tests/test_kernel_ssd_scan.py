@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from ssmshard import ops  # noqa: F401  (registers torch.ops.ssmshard)
 from ssmshard.kernels.ssd_scan import ssd_scan, ssd_scan_like_op
+from ssmshard.testing import rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP32_TOL, FP32_GRAD_TOL = 1e-5, 3e-5
@@ -102,9 +103,6 @@ def make_inputs(b, l, h, p, g, n, *, D="h", z=True, bias=True, init=None, dtype=
     }
     return inputs
 
-
-def rel_err(got, want):
-    return ((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
 
 def check_against_sequential(inputs, chunk_size, options, tol, grad_tol, cu_seqlens=None, final=True):

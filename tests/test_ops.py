@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ssmshard import ops  # noqa: F401  (importing registers torch.ops.ssmshard)
 from ssmshard.kernels import reference
+from ssmshard.testing import rel_err
 
 OPS = torch.ops.ssmshard
 FWD_TOL = 1e-5
@@ -129,10 +130,6 @@ def seq_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
 
 # --- helpers --------------------------------------------------------------------
 
-
-def rel_err(got, want):
-    got, want = got.double(), want.double()
-    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
 
 def assert_close(got, want, tol, what=""):

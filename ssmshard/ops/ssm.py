@@ -87,7 +87,7 @@ def _define(name: str, reference: Callable, fake: Callable):
     FAKES[name] = fake
 
     def run(*args, **kwargs):
-        return in_declared_layout(reference(*args, **kwargs), fake(**signature.bind(args, kwargs)))
+        return in_declared_layout(reference(*args, **kwargs), declared_outputs(fake, signature, args, kwargs))
 
     op = torch.library.custom_op(signature.qualname, run, mutates_args=(), schema=signature.schema)
     op.register_fake(lambda *args, **kwargs: fake(**signature.bind(args, kwargs)))
@@ -99,17 +99,42 @@ def _define(name: str, reference: Callable, fake: Callable):
 FAKES: dict[str, Callable] = {}
 
 
+def declared_outputs(fake: Callable, signature, args, kwargs):
+    """What ``fake`` declares for one call, evaluated on meta-device stand-ins of the arguments:
+    shapes and strides only, no memory allocated (an op runs this on every call)."""
+    return fake(**{name: on_meta(value) for name, value in signature.bind(args, kwargs).items()})
+
+
+def on_meta(value):
+    """A tensor's meta-device stand-in (same shape, strides and dtype); other values (lists
+    of tensors included) as they are."""
+    if isinstance(value, Tensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    if isinstance(value, (list, tuple)):
+        return type(value)(on_meta(v) for v in value)
+    return value
+
+
 def in_declared_layout(outputs, declared):
-    """``outputs`` with the strides of ``declared`` (what the op's fake returns for these inputs).
+    """``outputs`` with the strides of ``declared`` (what the op's fake returns for these inputs,
+    on the meta device: see ``declared_outputs``).
 
     A compiled graph (Inductor) reads an opaque op's outputs with the strides its fake promised
     and asserts them, so what an implementation returns must have exactly those: an output laid
     out otherwise (the reference conv's contiguous output where the fake keeps a transposed
-    input's layout) is copied into the declared layout.
+    input's layout) is copied into memory of the declared layout. Outputs already laid out so
+    (the common case) are returned as they are, with nothing allocated.
     """
     if isinstance(outputs, Tensor):
-        return outputs if _same_strides(outputs, declared) else declared.copy_(outputs)
-    return tuple(o if _same_strides(o, d) else d.copy_(o) for o, d in zip(outputs, declared))
+        return _relaid(outputs, declared)
+    return tuple(_relaid(o, d) for o, d in zip(outputs, declared))
+
+
+def _relaid(output: Tensor, declared: Tensor) -> Tensor:
+    if _same_strides(output, declared):
+        return output
+    laid_out = torch.empty_strided(declared.shape, declared.stride(), dtype=declared.dtype, device=output.device)
+    return laid_out.copy_(output)
 
 
 def _same_strides(a: Tensor, b: Tensor) -> bool:

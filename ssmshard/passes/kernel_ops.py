@@ -25,7 +25,8 @@ from typing import Callable
 import torch
 
 from ..ops import SIGNATURES
-from ..ops.ssm import FAKES, _register_autograd_by_recompute, in_declared_layout, recompute_grads
+from ..ops.ssm import (FAKES, _register_autograd_by_recompute, declared_outputs, in_declared_layout, on_meta,
+                       recompute_grads)
 
 NAMESPACE = "ssmshard_kernels"
 
@@ -35,7 +36,7 @@ def opaque_kernel_op(name: str, adapter: Callable):
     signature, fake = SIGNATURES[name], FAKES[name]
 
     def run(*args, **kwargs):
-        return in_declared_layout(adapter(*args, **kwargs), fake(**signature.bind(args, kwargs)))
+        return in_declared_layout(adapter(*args, **kwargs), declared_outputs(fake, signature, args, kwargs))
 
     op = torch.library.custom_op(f"{NAMESPACE}::{name}", run, mutates_args=(), schema=signature.schema)
     op.register_fake(lambda *args, **kwargs: fake(**signature.bind(args, kwargs)))
@@ -57,7 +58,7 @@ def _opaque_backward(name: str, adapter: Callable):
         *op_args, output_grads, wanted = args
         with _autograd_recording():
             grads = recompute_grads(adapter, op_args, output_grads, wanted)
-        return [torch.zeros_like(op_args[i]) if g is None else in_declared_layout(g, torch.empty_like(op_args[i]))
+        return [torch.zeros_like(op_args[i]) if g is None else in_declared_layout(g, torch.empty_like(on_meta(op_args[i])))
                 for i, g in zip(wanted, grads)]
 
     def fake(*args):
@@ -80,7 +81,7 @@ def opaque_state_writer(name: str, state_argument: str, writer: Callable):
 
     def run(*args, **kwargs):
         out, _ = writer(*args, **kwargs)
-        return in_declared_layout(out, fake(**signature.bind(args, kwargs))[0])
+        return in_declared_layout(out, declared_outputs(fake, signature, args, kwargs)[0])
 
     op = torch.library.custom_op(f"{NAMESPACE}::{name}_into_state", run, mutates_args=(state_argument,),
                                  schema=schema)
