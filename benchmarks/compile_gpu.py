@@ -3,6 +3,7 @@ against the weight-read floor, eager (``Plan(tp=1)``) beside compiled (``Plan(tp
 and what compiling costs.
 
     PYTHONPATH=$PWD python benchmarks/compile_gpu.py --out $OUT --budget-s 500 --models mamba-2.8b
+    PYTHONPATH=$PWD python benchmarks/compile_gpu.py --out $OUT --profile   # + where the forward's time goes
     PYTHONPATH=$PWD python benchmarks/compile_gpu.py --smoke --out DIR      # CPU, tiny configs, fp32
     python benchmarks/compile_gpu.py --summary DIR                          # summary.md from DIR's rows
 
@@ -27,6 +28,11 @@ Glossary:
                 the first run), per program; cold (empty Inductor cache) unless a previous model
                 of the same shapes filled it.
   logits_rel_err  |compiled - eager| / |eager| of the first forward's logits (bf16).
+  profile       (``--profile``) device time of one forward at the first shape by kernel and by
+                category (``FORWARD_CATEGORIES``: matmul, scan, conv, norm, Inductor's fused glue,
+                copies, other) beside the matmul and scan floors: where the forward's time over
+                its floor goes. On the CPU (``--smoke``) the categories are of aten ops, nested
+                ones counted in each, so only the plumbing means anything there.
 """
 
 from __future__ import annotations
@@ -50,11 +56,21 @@ from ssmshard.testing import rel_err
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_gpu import GPU_MODELS, PAD, floor_row, free_memory, prompt_ids, seconds_of, ttft_and_tpot  # noqa: E402
+from decode_profile import MATMUL_KERNELS, category, kernel_times  # noqa: E402
 from generate_gpu import build_random_model  # noqa: E402
 from static_kv_decode_gpu import copy_bandwidth, synchronize  # noqa: E402
 
 SMOKE_MODELS = {f"tiny-{name}": (lambda name=name: BY_NAME[name].make_config()) for name in ("mamba", "mamba2")}
 VARIANTS = {"eager": False, "compiled": True}
+# Kernel-name needles per category, first match wins (ssmshard's Triton kernels by their function
+# names; Inductor names its kernels triton_poi / triton_red / triton_per_fused_...).
+FORWARD_CATEGORIES = (("matmul", MATMUL_KERNELS + ("triton_tem", "aten::mm", "aten::addmm", "aten::bmm")),
+                      ("scan", ("scan_fwd", "segment_carry", "ssd_", "chunk_table", "_final_states",
+                                "selective_scan")),
+                      ("conv", ("_conv_", "conv1d")),
+                      ("norm", ("rms_norm",)),
+                      ("fused glue (Inductor)", ("triton_",)),
+                      ("copies", ("copy", "memcpy")))
 
 
 def matmul_flops_per_s(device, n=8192, repeats=10):
@@ -98,7 +114,20 @@ class Rows:
             f.write(json.dumps(row) + "\n")
 
 
-def forward_rows(rows, name, model, dm, variant, shapes, repeats, rates, eager_logits, device, seed):
+def forward_profile(fn, device) -> dict:
+    """One call of ``fn`` profiled: device ms by category and the 15 largest kernels."""
+    times = kernel_times(fn, device)
+    by_category = {}
+    for kernel, (_, us) in times.items():
+        label = category(kernel, FORWARD_CATEGORIES)
+        by_category[label] = by_category.get(label, 0.0) + us / 1e3
+    top = sorted(times.items(), key=lambda item: -item[1][1])[:15]
+    return {"device_ms": sum(us for _, us in times.values()) / 1e3, "by_category_ms": by_category,
+            "kernels": [{"kernel": k[:160], "category": category(k, FORWARD_CATEGORIES), "calls": calls,
+                         "ms": us / 1e3} for k, (calls, us) in top]}
+
+
+def forward_rows(rows, name, model, dm, variant, shapes, repeats, rates, eager_logits, device, seed, profile=False):
     flops_rate, bandwidth = rates
     for batch, length in shapes:
         ids = prompt_ids(model.config.vocab_size, batch, length, device, seed)
@@ -124,6 +153,11 @@ def forward_rows(rows, name, model, dm, variant, shapes, repeats, rates, eager_l
         rows.write("forward", model=name, variant=variant, batch=batch, length=length, forward_ms=ms,
                    first_call_s=first_s, floor_ms=matmul_ms + scan_ms, matmul_floor_ms=matmul_ms,
                    scan_floor_ms=scan_ms, roofline=(matmul_ms + scan_ms) / ms, logits_rel_err=logits_err)
+        if profile and (batch, length) == shapes[0]:
+            with torch.no_grad():
+                found = forward_profile(lambda: dm(ids), device)
+            rows.write("forward_profile", model=name, variant=variant, batch=batch, length=length, forward_ms=ms,
+                       matmul_floor_ms=matmul_ms, scan_floor_ms=scan_ms, **found)
         free_memory(device)
 
 
@@ -164,7 +198,7 @@ def run_model(rows, args, name, make_config, run, rates, deadline):
         dm = ssmshard.parallelize(model, ssmshard.Plan(tp=1, training=False, compile=compiled))
         parallelize_s = time.perf_counter() - started
         forward_rows(rows, name, model, dm, variant, run["shapes"], run["repeats"], rates, eager_logits, device,
-                     args.seed)
+                     args.seed, profile=args.profile)
         if time.monotonic() < deadline:
             decode_rows(rows, name, model, dm, variant, run["batches"], run["new_tokens"], run["repeats"], rates[1],
                         device, args.seed)
@@ -200,12 +234,36 @@ def summary(folder):
         c = tpot[(model, b, "compiled")]
         lines.append(f"| {model} | {b} | {r['tpot_ms']:.2f} | {c['tpot_ms']:.2f} | {r['floor_ms']:.2f} | "
                      f"{r['tpot_over_floor']:.2f} | {c['tpot_over_floor']:.2f} |")
+    lines += profile_table(rows)
     lines += ["", "Compile seconds per program (each call that compiled):", ""]
     lines += [f"- {r['model']} {r['variant']}: parallelize {r['parallelize_s']:.1f} s; {r['compile_s']}"
               for r in rows if r["kind"] == "start" and r["variant"] == "compiled"]
     with open(os.path.join(folder, "summary.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def profile_table(rows) -> list[str]:
+    """Markdown lines: each profiled forward's device ms by category, eager beside compiled, with
+    the floor of the categories that have one."""
+    found = {(r["model"], r["batch"], r["length"], r["variant"]): r for r in rows if r["kind"] == "forward_profile"}
+    lines = []
+    for (model, b, l) in sorted({key[:3] for key in found}):
+        eager, compiled = found.get((model, b, l, "eager")), found.get((model, b, l, "compiled"))
+        any_row = eager or compiled
+        floors = {"matmul": any_row["matmul_floor_ms"], "scan": any_row["scan_floor_ms"]}
+        labels = [label for label, _ in FORWARD_CATEGORIES] + ["other"]
+        lines += ["", f"Device ms of one forward by kernel category, {model} {b} x {l}:", "",
+                  "| category | eager ms | compiled ms | floor ms |", "|---|---:|---:|---:|"]
+        for label in labels + ["all kernels"]:
+            cells = []
+            for r in (eager, compiled):
+                value = None if r is None else (r["device_ms"] if label == "all kernels"
+                                                 else r["by_category_ms"].get(label, 0.0))
+                cells.append("-" if value is None else f"{value:.1f}")
+            floor = sum(floors.values()) if label == "all kernels" else floors.get(label)
+            lines.append(f"| {label} | {cells[0]} | {cells[1]} | {'' if floor is None else f'{floor:.1f}'} |")
+    return lines
 
 
 def main(argv=None):
@@ -217,6 +275,8 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--summary", metavar="DIR")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile one forward per variant by kernel category (glossary: profile)")
     args = parser.parse_args(argv)
     if args.summary:
         summary(args.summary)

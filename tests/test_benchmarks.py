@@ -179,8 +179,8 @@ def test_scaling_smoke_measures_every_variant_and_plots(tmp_path):
 
 @pytest.mark.slow  # compiles eight tiny programs
 def test_compile_benchmark_smoke_run_writes_both_variants(tmp_path):
-    run = subprocess.run([sys.executable, os.path.join(BENCH, "compile_gpu.py"), "--smoke", "--out", str(tmp_path)],
-                         env=_env(), capture_output=True, text=True, timeout=900)
+    run = subprocess.run([sys.executable, os.path.join(BENCH, "compile_gpu.py"), "--smoke", "--profile",
+                          "--out", str(tmp_path)], env=_env(), capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [json.loads(line) for line in open(tmp_path / "rows.jsonl")]
     for kind in ("forward", "tpot"):
@@ -189,4 +189,30 @@ def test_compile_benchmark_smoke_run_writes_both_variants(tmp_path):
     compiled = [r for r in rows if r["kind"] == "start" and r["variant"] == "compiled"]
     assert all(r["compile_s"]["forward"] and r["compile_s"]["decode"] for r in compiled), compiled
     assert all(r["logits_rel_err"] < 1e-5 for r in rows if r["kind"] == "forward" and r["variant"] == "compiled")
+    profiled = {(r["model"], r["variant"]) for r in rows if r["kind"] == "forward_profile"}
+    assert profiled == {(m, v) for m in ("tiny-mamba", "tiny-mamba2") for v in ("eager", "compiled")}, profiled
+    assert all(r["by_category_ms"]["matmul"] > 0 for r in rows if r["kind"] == "forward_profile" and r["variant"] == "eager")
     assert (tmp_path / "summary.md").exists()
+
+
+def test_compile_benchmark_files_forward_kernels_by_category():
+    sys.path.insert(0, BENCH)
+    try:
+        import compile_gpu
+    finally:
+        sys.path.remove(BENCH)
+    names = {"nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_NTT": "matmul", "triton_tem_fused_addmm_3": "matmul",
+             "scan_fwd_parallel_kernel": "scan", "ssd_chunk_output_kernel": "scan", "_conv_forward_kernel": "conv",
+             "_rms_norm_kernel": "norm", "triton_poi_fused_add_mul_silu_0": "fused glue (Inductor)",
+             "Memcpy DtoD (Device -> Device)": "copies", "void at::native::vectorized_elementwise_kernel": "other"}
+    assert {n: compile_gpu.category(n, compile_gpu.FORWARD_CATEGORIES) for n in names} == names
+    base = {"kind": "forward_profile", "model": "m", "batch": 8, "length": 2048, "matmul_floor_ms": 100.0,
+            "scan_floor_ms": 20.0}
+    rows = [dict(base, variant="eager", device_ms=300.0, by_category_ms={"matmul": 150.0, "scan": 90.0, "other": 60.0}),
+            dict(base, variant="compiled", device_ms=250.0, by_category_ms={"matmul": 150.0, "scan": 90.0,
+                                                                            "fused glue (Inductor)": 10.0})]
+    table = compile_gpu.profile_table(rows)
+    assert "| matmul | 150.0 | 150.0 | 100.0 |" in table
+    assert "| scan | 90.0 | 90.0 | 20.0 |" in table
+    assert "| fused glue (Inductor) | 0.0 | 10.0 |  |" in table
+    assert "| all kernels | 300.0 | 250.0 | 120.0 |" in table
