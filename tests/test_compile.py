@@ -121,7 +121,7 @@ def test_compiled_decode_writes_states_through_the_opaque_writers(family, fresh_
     from ssmshard.testing import rel_err
 
     from conftest import small_model
-    from test_decode_passes import _step_by_step, greedy_tokens_and_hf
+    from test_decode_passes import decode_step_by_step, greedy_tokens_and_hf
 
     model = small_model(family)
     plain = ssmshard.capture(model, mode="decode")
@@ -132,7 +132,7 @@ def test_compiled_decode_writes_states_through_the_opaque_writers(family, fresh_
                        "ssmshard_kernels.selective_state_update_into_state.default"}, writers
     assert passed.states_written_by_op, "no state is written by its op"
     passed.compile = True
-    results, same_objects = _step_by_step(model, plain, passed, fresh_seed)
+    results, same_objects = decode_step_by_step(model, plain, passed, fresh_seed)
     where = f"{family} (seed {fresh_seed})"
     assert passed.compilations, "the decode program did not run compiled"
     assert max(rel_err(got, expected) for got, expected in results) < 1e-5, where

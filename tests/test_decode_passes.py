@@ -57,7 +57,7 @@ def _copies_of_states(program, ops=("clone", "copy_", "index_copy_")):
             and op_name(n) in ops]
 
 
-def _step_by_step(model, plain, passed, seed):
+def decode_step_by_step(model, plain, passed, seed):
     """Logits of STEPS greedy decode steps of both programs from one prefill, and whether the
     passed program returned its state inputs themselves."""
     prefill = ssmshard.capture(model, mode="prefill")
@@ -100,7 +100,7 @@ def greedy_tokens_and_hf(model, decode, seed, max_new_tokens=10):
 def test_decode_passes_keep_logits_and_hf_tokens(family, fresh_seed):
     model = small_model(family)
     plain, passed = _decode_programs(model)
-    results, same_objects = _step_by_step(model, plain, passed, fresh_seed)
+    results, same_objects = decode_step_by_step(model, plain, passed, fresh_seed)
     where = f"{family} (seed {fresh_seed})"
     for got, expected in results:
         assert torch.equal(got, expected), where
@@ -159,18 +159,18 @@ def test_folded_weights_follow_replaced_and_modified_weights(fresh_seed):
     a_log = next(fqn for fqn in weights if fqn.endswith("A_log"))
     for program in (plain, passed):
         program.weights = weights
-    first = _step_by_step(model, plain, passed, fresh_seed)[0][0]
+    first = decode_step_by_step(model, plain, passed, fresh_seed)[0][0]
     assert torch.equal(*first)
     with torch.no_grad():
         weights[a_log].add_(torch.rand_like(weights[a_log]))
     for program in (plain, passed):  # the same dict: only the tensor's values changed
         assert program.weights[a_log] is weights[a_log]
-    modified = _step_by_step(model, plain, passed, fresh_seed)[0][0]
+    modified = decode_step_by_step(model, plain, passed, fresh_seed)[0][0]
     assert torch.equal(*modified) and not torch.equal(modified[1], first[1])
     replaced = dict(weights, **{a_log: torch.rand_like(weights[a_log])})
     for program in (plain, passed):
         program.weights = replaced
-    again = _step_by_step(model, plain, passed, fresh_seed)[0][0]
+    again = decode_step_by_step(model, plain, passed, fresh_seed)[0][0]
     assert torch.equal(*again) and not torch.equal(again[1], modified[1])
 
 

@@ -131,7 +131,6 @@ def seq_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
 # --- helpers --------------------------------------------------------------------
 
 
-
 def assert_close(got, want, tol, what=""):
     assert got.shape == want.shape, (what, got.shape, want.shape)
     err = rel_err(got, want)
@@ -532,8 +531,6 @@ def test_ops_return_the_layout_their_fake_declares():
     """A compiled graph reads an opaque op's outputs with the strides of its fake (Inductor asserts
     them): the conv of a transposed input (in_proj's output, as HF feeds it) keeps that layout,
     a scan's outputs are contiguous, on the reference implementations as on the fakes."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     x = torch.randn(2, 9, 6).transpose(1, 2)  # (b, d, l) viewed from (b, l, d)
     w, b = torch.randn(6, 4), torch.randn(6)
     out = OPS.causal_conv1d(x, w, b, "silu")
