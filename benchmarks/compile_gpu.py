@@ -4,6 +4,7 @@ and what compiling costs.
 
     PYTHONPATH=$PWD python benchmarks/compile_gpu.py --out $OUT --budget-s 500 --models mamba-2.8b
     PYTHONPATH=$PWD python benchmarks/compile_gpu.py --out $OUT --profile   # + where the forward's time goes
+    PYTHONPATH=$PWD python benchmarks/compile_gpu.py --out $OUT --forward-only --profile --models mamba2-2.7b
     PYTHONPATH=$PWD python benchmarks/compile_gpu.py --smoke --out DIR      # CPU, tiny configs, fp32
     python benchmarks/compile_gpu.py --summary DIR                          # summary.md from DIR's rows
 
@@ -199,7 +200,7 @@ def run_model(rows, args, name, make_config, run, rates, deadline):
         parallelize_s = time.perf_counter() - started
         forward_rows(rows, name, model, dm, variant, run["shapes"], run["repeats"], rates, eager_logits, device,
                      args.seed, profile=args.profile)
-        if time.monotonic() < deadline:
+        if time.monotonic() < deadline and not args.forward_only:
             decode_rows(rows, name, model, dm, variant, run["batches"], run["new_tokens"], run["repeats"], rates[1],
                         device, args.seed)
         compile_row(rows, name, variant, dm, parallelize_s)
@@ -277,6 +278,7 @@ def main(argv=None):
     parser.add_argument("--summary", metavar="DIR")
     parser.add_argument("--profile", action="store_true",
                         help="also profile one forward per variant by kernel category (glossary: profile)")
+    parser.add_argument("--forward-only", action="store_true", help="skip the decode rows")
     args = parser.parse_args(argv)
     if args.summary:
         summary(args.summary)

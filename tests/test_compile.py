@@ -81,16 +81,22 @@ def test_compiled_graphed_decode_at_tp2_on_gpus_equals_hf(family, tmp_path, fres
 @pytest.mark.parametrize("family", ["mamba", "mamba2", pytest.param("llama", marks=pytest.mark.compat)])
 def test_kernel_ops_compile_with_their_gradients(family, fresh_seed):
     """The path a GPU takes, on the CPU: SSM nodes retargeted to the opaque kernel ops (which run
-    the reference off CUDA), the program compiled; logits and every weight's gradient against
+    the reference off CUDA) and the norms to their reference functions, the program compiled; logits and every weight's gradient against
     HF eager (1e-5 relative, whole gradient), the backward through the ``<op>_grad`` ops."""
     from ssmshard.passes import run_pipeline
+    from ssmshard.passes.swap_kernels import LEFT_TO_INDUCTOR
     from ssmshard.testing import joint_rel_err, rel_err
 
     from conftest import small_model
 
     model = small_model(family)
-    program = run_pipeline(ssmshard.capture(model), [("swap_kernels", {"kernels": "triton", "compile": True})])
+    program = run_pipeline(ssmshard.capture(model), [("fuse_rmsnorm", {}),
+                                                     ("swap_kernels", {"kernels": "triton", "compile": True})])
     assert {str(n.target).split(".")[0] for n in program.graph.nodes if "ssmshard" in str(n.target)} <= {"ssmshard_kernels"}
+    # The norms are left to Inductor: their nodes call the reference functions, traced into ATen ops.
+    norms = [r for r in program.kernel_report if "norm" in r["op"]]
+    assert norms and all(r["kernel"] == "inductor" for r in norms), program.kernel_report
+    assert {n.target for n in program.graph.nodes if n.name in {r["node"] for r in norms}} <= set(LEFT_TO_INDUCTOR.values())
     program.compile = True
     weights = {k: v.detach().clone().requires_grad_(True) for k, v in program.weights.items()}
     program.weights = weights

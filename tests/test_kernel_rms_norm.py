@@ -128,6 +128,28 @@ def test_kernel_gated_norm_equals_reference(d, group, dtype, fresh_seed):
                                 ssm.gated_rms_norm(x, gate, torch.ones_like(weight), EPS, group))
 
 
+@pytest.mark.parametrize("rows", ["evenly spaced", "unevenly spaced"])
+def test_kernel_reads_channel_slices_of_a_wider_tensor(rows, fresh_seed):
+    """Mamba-2 reads its gate as a channel slice of in_proj's output: rows evenly spaced, read in
+    place; rows of a strided row slice are not evenly spaced and are copied first. Both give the
+    reference's values (inputs, gate and residual all slices)."""
+    d, dtype = 96, torch.bfloat16
+    packed = torch.randn(2, 6, 3 * d + 5, device=DEVICE).to(dtype)
+    x, gate, residual = (packed[..., i * d:(i + 1) * d] for i in range(3))
+    if rows == "unevenly spaced":
+        x, gate, residual = (t[:, ::2] for t in (x, gate, residual))
+    weight = _weight(d, dtype).to(DEVICE)
+    assert_equal_up_to_rounding(kernel.gated_rms_norm(x, gate, weight, EPS, 32),
+                                ssm.gated_rms_norm(x, gate, weight, EPS, 32), weight,
+                                ssm.gated_rms_norm(x, gate, torch.ones_like(weight), EPS, 32))
+    summed, normed = kernel.add_rms_norm(x, residual, weight, EPS, dtype)
+    expected_sum, expected_norm = ssm.add_rms_norm(x, residual, weight, EPS, dtype)
+    assert summed.is_contiguous() and normed.is_contiguous()
+    assert torch.equal(summed, expected_sum)
+    assert_equal_up_to_rounding(normed, expected_norm, weight,
+                                ssm.rms_norm(expected_sum.to(dtype), torch.ones_like(weight), EPS))
+
+
 def test_kernel_refuses_rows_wider_than_it_holds():
     with pytest.raises(ValueError, match="at most 8192"):
         kernel.rms_norm(torch.randn(1, 8193, device=DEVICE), torch.randn(8193, device=DEVICE), EPS)
