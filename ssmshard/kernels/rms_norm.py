@@ -11,9 +11,9 @@ The mean runs over groups of ``group_size`` channels (all channels but for the g
 
 One program per (row, group): a row is one token (batch * sequence flattened), a group at most
 ``MAX_WIDTH`` channels held in registers at once. Inputs whose rows are evenly spaced with
-contiguous channels (slices of a wider tensor) are read in place; outputs are contiguous. Decode reads a few rows of a few thousand
-channels: the kernel replaces the 6-8 small kernels (and the separate residual add) torch
-launches per norm.
+contiguous channels (slices of a wider tensor) are read in place; outputs are contiguous.
+Decode reads a few rows of a few thousand channels: the kernel replaces the 6-8 small kernels
+(and the separate residual add) torch launches per norm.
 """
 
 from __future__ import annotations
