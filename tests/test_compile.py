@@ -81,8 +81,9 @@ def test_compiled_graphed_decode_at_tp2_on_gpus_equals_hf(family, tmp_path, fres
 @pytest.mark.parametrize("family", ["mamba", "mamba2", pytest.param("llama", marks=pytest.mark.compat)])
 def test_kernel_ops_compile_with_their_gradients(family, fresh_seed):
     """The path a GPU takes, on the CPU: SSM nodes retargeted to the opaque kernel ops (which run
-    the reference off CUDA) and the norms to their reference functions, the program compiled; logits and every weight's gradient against
-    HF eager (1e-5 relative, whole gradient), the backward through the ``<op>_grad`` ops."""
+    the reference off CUDA) and the norms to their reference functions, the program compiled;
+    logits and every weight's gradient against HF eager (1e-5 relative, whole gradient), the
+    backward through the ``<op>_grad`` ops."""
     from ssmshard.passes import run_pipeline
     from ssmshard.passes.swap_kernels import LEFT_TO_INDUCTOR
     from ssmshard.testing import joint_rel_err, rel_err

@@ -7,6 +7,7 @@ import torch
 from transformers import GenerationConfig
 
 import ssmshard
+from ssmshard.families import BY_NAME
 
 import generate_worker
 from conftest import SIX_FAMILIES, small_model
@@ -28,8 +29,8 @@ PROMPT = 12  # the widest of generate_worker's left-padded prompts
 # (Mamba-1 SSM, hybrid, attention only), all six in the slow set. tp = 2 runs as two tests of three
 # families, so that the test processes can take one each.
 TP1_FAMILIES = ["mamba", "zamba2", "llama"]
-SSM_FAMILIES = [f for f in SIX_FAMILIES if f in ("mamba", "falcon_mamba", "mamba2")]
-WITH_ATTENTION = [f for f in SIX_FAMILIES if f not in SSM_FAMILIES]
+SSM_FAMILIES = [f for f in SIX_FAMILIES if not BY_NAME[f].has_attention]
+WITH_ATTENTION = [f for f in SIX_FAMILIES if BY_NAME[f].has_attention]
 
 
 @pytest.mark.parametrize("tp, families", [(1, TP1_FAMILIES),

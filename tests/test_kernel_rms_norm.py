@@ -131,14 +131,17 @@ def test_kernel_gated_norm_equals_reference(d, group, dtype, fresh_seed):
 @pytest.mark.parametrize("rows", ["evenly spaced", "unevenly spaced"])
 def test_kernel_reads_channel_slices_of_a_wider_tensor(rows, fresh_seed):
     """Mamba-2 reads its gate as a channel slice of in_proj's output: rows evenly spaced, read in
-    place; rows of a strided row slice are not evenly spaced and are copied first. Both give the
-    reference's values (inputs, gate and residual all slices)."""
+    place; the first half of each sequence's rows is not evenly spaced (a gap between the batch
+    rows) and is copied first. Both give the reference's values (inputs, gate and residual all
+    slices)."""
     d, dtype = 96, torch.bfloat16
     packed = torch.randn(2, 6, 3 * d + 5, device=DEVICE).to(dtype)
     x, gate, residual = (packed[..., i * d:(i + 1) * d] for i in range(3))
     if rows == "unevenly spaced":
-        x, gate, residual = (t[:, ::2] for t in (x, gate, residual))
+        x, gate, residual = (t[:, :3] for t in (x, gate, residual))
     weight = _weight(d, dtype).to(DEVICE)
+    # Read in place (the same memory) exactly when the rows are evenly spaced.
+    assert (kernel._as_rows(gate, d).data_ptr() == gate.data_ptr()) == (rows == "evenly spaced")
     assert_equal_up_to_rounding(kernel.gated_rms_norm(x, gate, weight, EPS, 32),
                                 ssm.gated_rms_norm(x, gate, weight, EPS, 32), weight,
                                 ssm.gated_rms_norm(x, gate, torch.ones_like(weight), EPS, 32))

@@ -124,6 +124,7 @@ KERNEL_OPS = {op: opaque_kernel_op(op.name().split("::")[-1], adapter) for op, (
 # op -> the reference function its nodes call under ``compile``, for Inductor to fuse (docstring).
 LEFT_TO_INDUCTOR = {getattr(ssm, name).default: getattr(reference, name)
                     for name in ("rms_norm", "add_rms_norm", "gated_rms_norm")}
+COMPILE_TARGETS = {**KERNEL_OPS, **LEFT_TO_INDUCTOR}
 # The ops a kernel could serve: every op with a declared signature. Collectives and other
 # ssmshard ops are not kernels' business.
 _KERNEL_CANDIDATES = set(SIGNATURES)
@@ -141,7 +142,7 @@ def _kernel_module_error(module: str):
 def swap_kernels(program, ctx):
     """Retarget reference SSM op nodes to their Triton kernels (see module docstring)."""
     mode = ctx.options.get("kernels", "triton")
-    targets = KERNEL_OPS if ctx.options.get("compile", False) else None
+    targets = COMPILE_TARGETS if ctx.options.get("compile", False) else None
     if mode not in ("triton", "reference"):
         raise ValueError(f"kernels must be 'triton' or 'reference', got {mode!r}")
     report = []
@@ -158,10 +159,9 @@ def swap_kernels(program, ctx):
             why = _kernel_module_error(module) or (check(node) if check else None)
         if mode == "reference":
             why = why or "kernels='reference' was asked for"
-        kernel = "triton" if why is None else None
-        if why is None and targets is not None and node.target in LEFT_TO_INDUCTOR:
-            node.target, kernel = LEFT_TO_INDUCTOR[node.target], "inductor"
-        elif why is None:
+        kernel = None
+        if why is None:
+            kernel = "inductor" if targets is not None and node.target in LEFT_TO_INDUCTOR else "triton"
             node.target = adapter if targets is None else targets[node.target]
         report.append({"node": node.name, "op": name, "kernel": kernel, "why": why})
     program.graph_module.recompile()
