@@ -52,7 +52,8 @@ Rows go to ``OUT/rows_rank0.jsonl`` (one JSON object a line, flushed) as soon as
 measured, so a run cut off by its time limit keeps every finished row. ``--budget-s`` skips what
 would end after it (estimated from the longest step of the same kind so far) and records the
 skip. Order per model: start, ssmshard TPOT by batch, ssmshard TTFT, HF TPOT by batch, HF TTFT,
-then the compiled static-cache baseline (Llama).
+then the compiled static-cache baseline (Llama). ``--variants`` runs some of them;
+``--batches`` with no sizes leaves out the TPOT rows (TTFT of ``--long-prompt`` only).
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ GPU_MODELS = {"mamba-2.8b": mamba_2p8b_config, "mamba2-2.7b": mamba2_2p7b_config
 SMOKE_MODELS = {f"tiny-{name}": (lambda name=name: BY_NAME[name].make_config())
                 for name in ("mamba", "mamba2", "zamba2", "llama")}
 PAD = 0
+VARIANTS = ("ssmshard", "hf", "hf_static_compiled")
 # First guesses (seconds) of each kind of step, until one has been measured.
 DEFAULT_COST_S = {"build": 60, "start": 90, "tpot": 30, "ttft": 30, "hf_tpot": 40, "hf_ttft": 60,
                   "hf_static_compiled": 150}
@@ -223,7 +225,8 @@ class DecodeBench:
                                                                     self.args.seed))
         attention = family_of(model).has_attention
         try:
-            dm = self.start(name, model) if self.allowed("start", model=name) else None
+            ours = "ssmshard" in self.args.variants
+            dm = self.start(name, model) if ours and self.allowed("start", model=name) else None
             if dm is not None:
                 for batch in self.run["batches"]:
                     self.ours_tpot(name, model, dm, batch, attention)
@@ -307,10 +310,11 @@ class DecodeBench:
     def hf_rows(self, name, model):
         path = hf_kernel_path(model, self.device)
         self.rec.write("hf_path", model=name, **path)
-        for batch in self.run["batches"]:
-            self.hf_tpot(name, model, batch, "hf", {}, path)
-        self.hf_ttft(name, model, path)
-        if family_of(model).name == "llama":
+        if "hf" in self.args.variants:
+            for batch in self.run["batches"]:
+                self.hf_tpot(name, model, batch, "hf", {}, path)
+            self.hf_ttft(name, model, path)
+        if family_of(model).name == "llama" and "hf_static_compiled" in self.args.variants:
             for batch in self.run["batches"]:
                 self.hf_tpot(name, model, batch, "hf_static_compiled", {"cache_implementation": "static"}, path)
 
@@ -472,7 +476,10 @@ def parse_args(argv=None):
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny configs: checks the whole flow")
     parser.add_argument("--budget-s", type=float, default=420, help="skip what would end after this (seconds)")
     parser.add_argument("--models", nargs="+", help="a subset of the models")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument("--batches", type=int, nargs="*", default=[1, 16, 64, 256],
+                        help="batch sizes of the TPOT runs (none: only TTFT and time to start)")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
+                        help="which of the variants above to run")
     parser.add_argument("--prompt", type=int, default=128, help="prompt length of the TPOT runs")
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens per TPOT run")
     parser.add_argument("--long-prompt", type=int, default=4096, help="prompt length of the TTFT runs")

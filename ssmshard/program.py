@@ -101,6 +101,9 @@ class Program:
         # Run the graph through torch.compile (Plan(compile=True): runtime/compiled.py), on first call.
         self.compile = False
         self._compiled = None
+        # Prefill: this program with causal attention calls for unpadded batches
+        # (passes/causal_attention.py), made on first use; False when there is none.
+        self.unpadded = None
         # Filled by the sharding passes (passes/shard): rank, tp, group, output placements;
         # the forward collectives as named sync points, and the same as report rows.
         self.tagged = False  # set by the tag pass: every call_function node carries tags
@@ -316,8 +319,24 @@ class Program:
         """``(logits, states)`` of a prefill/decode/chunk graph on its user inputs, as the graph
         orders them (the graph of ``program.siblings`` that serves their shapes)."""
         target = self.for_shapes(user_inputs)
+        if self.mode == "prefill" and not self.static_kv:
+            target = target._unpadded_if(user_inputs[1])
         outputs = target.executable(*target.weight_args(), *user_inputs)
         return outputs[0], list(outputs[1:])
+
+    def _unpadded_if(self, attention_mask) -> "Program":
+        """This prefill program, or its causal-attention copy when ``attention_mask`` pads nothing."""
+        if self.unpadded is None:
+            from .passes.causal_attention import unpadded_variant
+
+            self.unpadded = unpadded_variant(self) or False
+        if self.unpadded is False or not bool(attention_mask.all()):
+            return self
+        variant = self.unpadded
+        variant.weights, variant.folded = self.weights, self.folded
+        if variant.capture_device != self.capture_device:  # this program was retargeted since
+            variant.retarget(self.capture_device)
+        return variant
 
     @property
     def vocab_size(self) -> int | None:

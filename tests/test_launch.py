@@ -164,7 +164,9 @@ def test_a_rank_skipping_a_collective_ends_the_run_with_the_waiting_rank_named(t
     assert not _wait_gone(pids, 5)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+# SIGKILL: the launcher cannot stop its ranks; each rank sees the launcher's end of a pipe
+# close and ends itself (a rank's parent is the fork server, not the launcher).
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
 def test_a_signal_to_the_launcher_ends_every_rank(tmp_path, start_launcher, signum):
     launcher = start_launcher("skip_all_reduce", 300)
     pids = _rank_pids(tmp_path)

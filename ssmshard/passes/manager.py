@@ -149,7 +149,7 @@ def run_pipeline(program, steps, *, skip: Iterable[str] = (), debug_dir: str | N
 
 
 # What capture runs on every program it makes (a sibling capture included): not replayed.
-CAPTURE_PASSES = ("drop_tensor_asserts", "pad_as_cat", "gqa_attention", "tag")
+CAPTURE_PASSES = ("drop_tensor_asserts", "pad_as_cat", "gqa_attention", "causal_attention", "tag")
 
 
 def replay(program, history):
