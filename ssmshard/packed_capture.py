@@ -83,8 +83,9 @@ def check_packable(model, family) -> None:
             f"block-diagonal boolean mask); the model uses {implementation!r}. Load it with "
             "attn_implementation='sdpa' or call model.set_attn_implementation('sdpa')."
         )
-    layer_types = getattr(config, "layer_types", None) or []
-    if getattr(config, "sliding_window", None) is not None or any("sliding" in t for t in layer_types):
+    from .passes.causal_attention import full_causal_attention  # late import: passes import the capture
+
+    if not full_causal_attention(config):
         raise NotImplementedError(
             f"packed capture does not support sliding-window attention ({family.class_name}, "
             f"sliding_window={getattr(config, 'sliding_window', None)}): the packed mask would replace "

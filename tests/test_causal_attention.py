@@ -26,7 +26,7 @@ def unmasked(node) -> bool:
 
 
 def counted(program):
-    """``program``'s graph module, counting the calls that reach it."""
+    """The list that gets one item per call reaching ``program``'s graph module."""
     calls = []
     module = program.graph_module
     run = module.forward
