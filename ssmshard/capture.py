@@ -253,11 +253,17 @@ def _quiet_export_logs():
 
 @contextlib.contextmanager
 def _capture_context(model, family):
-    """Eval mode (training-only fused paths off), swapped kernels, quiet HF fallbacks and export notes."""
+    """Eval mode (training-only fused paths off), swapped kernels, quiet HF fallbacks and export notes.
+
+    The fake-tensor cache is off for the trace (and so for the passes, which propagate under
+    the fake mode export made): with symbolic batch and lengths, rebuilding a cached output's
+    sizes and strides costs more symbolic arithmetic than running the op's meta function
+    again (timings with and without: docs/startup.md)."""
     was_training = model.training
     model.eval()
     try:
-        with swapped_kernel_functions(family.modeling_module), warnings.catch_warnings(), _quiet_export_logs():
+        with swapped_kernel_functions(family.modeling_module), warnings.catch_warnings(), _quiet_export_logs(), \
+                torch._dynamo.config.patch(fake_tensor_cache_enabled=False):
             warnings.simplefilter("ignore")
             yield
     finally:
