@@ -37,6 +37,7 @@ Glossary:
                 blocks) counts once: a lower bound.
   timed_runs    TTFT rows time fewer than --repeats runs where the budget would not hold them
                 at the warm-up's pace (at least one).
+  skip_passes   the optimisation passes the ssmshard rows' plan left out (``--skip-passes``), if any.
   forward       median time of ``dm(ids)``, the whole-sequence forward of the same prompt (the
                 TTFT a prefill could reach).
   time to start ``parallelize_s`` (of which ``parallelize_capture_s`` in ``capture`` and
@@ -246,7 +247,7 @@ class DecodeBench:
             row = {}
             with time_spent_in(distributed_module, ("capture", "shard_program")) as inside:
                 started = time.perf_counter()
-                dm = ssmshard.parallelize(model, ssmshard.Plan(tp=1))
+                dm = ssmshard.parallelize(model, ssmshard.Plan(tp=1, skip_passes=self.args.skip_passes))
                 synchronize(self.device)
                 row["parallelize_s"] = time.perf_counter() - started
                 row.update(parallelize_capture_s=inside["capture"], parallelize_passes_s=inside["shard_program"])
@@ -276,6 +277,8 @@ class DecodeBench:
 
     def ours_tpot(self, name, model, dm, batch, attention):
         where = dict(model=name, variant="ssmshard", batch=batch, prompt=self.run["prompt"])
+        if self.args.skip_passes:
+            where["skip_passes"] = self.args.skip_passes
         if not self.allowed("tpot", **where):
             return
         ids = prompt_ids(model.config.vocab_size, batch, self.run["prompt"], self.device, self.args.seed)
@@ -485,6 +488,8 @@ def parse_args(argv=None):
     parser.add_argument("--long-prompt", type=int, default=4096, help="prompt length of the TTFT runs")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=7, help="of the random weights and prompts")
+    parser.add_argument("--skip-passes", nargs="*", default=[], metavar="PASS",
+                        help="optimisation passes ssmshard's plan leaves out (Plan(skip_passes=...)), to measure one")
     parser.add_argument("--plot", metavar="DIR", help="plots and a summary table from DIR's rows")
     return parser.parse_args(argv)
 

@@ -467,6 +467,7 @@ def _export_cases():
         "gated_rms_norm": [torch.randn(2, 3, 6), torch.randn(2, 3, 6), torch.randn(6), 1e-5, 3],
         "rms_norm": [torch.randn(2, 3, 5), torch.randn(5), 1e-5],
         "add_rms_norm": [torch.randn(2, 3, 5), torch.randn(2, 3, 5), torch.randn(5), 1e-5, torch.float32],
+        "decode_linear": [torch.randn(2, 1, 5), torch.randn(3, 5), torch.randn(3)],
     }
 
 

@@ -404,3 +404,8 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
     block casts the residual stream to the norm weight's dtype before normalising it)."""
     summed = residual + x
     return summed, rms_norm(summed.to(norm_dtype), weight, eps)
+
+
+def decode_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """``F.linear``: the op the ``decode_gemv`` pass puts a decode step's linear layers on."""
+    return F.linear(x, weight, bias)

@@ -108,4 +108,9 @@ SIGNATURES: dict[str, OpSignature] = {s.name: s for s in [
         "The residual add and the RMSNorm after it: summed = residual + x (torch's type promotion: float32 "
         "with Mamba's residual_in_fp32), then rms_norm(summed.to(norm_dtype), weight, eps). x, residual: "
         "(..., d); weight: (d,). Returns summed and the normed value."),
+    OpSignature(
+        "decode_linear",
+        "(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
+        "A linear layer of a decode step, ``F.linear``: x (..., k); weight (n, k); bias (n,). Returns "
+        "(..., n). Its kernel streams the weight for one row (batch-1 decode; the ``decode_gemv`` pass)."),
 ]}

@@ -208,3 +208,12 @@ gated_rms_norm = _define("gated_rms_norm", ref.gated_rms_norm, _gated_rms_norm_f
 # pass rewrites the captured chains of small ops into these so one kernel runs each.
 rms_norm = _define("rms_norm", ref.rms_norm, _rms_norm_fake)
 add_rms_norm = _define("add_rms_norm", ref.add_rms_norm, _add_rms_norm_fake)
+
+
+def _decode_linear_fake(x, weight, **_):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+# A decode step's linear layer as its own op, so the ``decode_gemv`` pass can put it on the
+# skinny-matmul kernel (``kernels/gemv.py``).
+decode_linear = _define("decode_linear", ref.decode_linear, _decode_linear_fake)
