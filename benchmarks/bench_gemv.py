@@ -30,6 +30,7 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from ssmshard.kernels import gemv as kgemv  # noqa: E402
+from static_kv_decode_gpu import copy_bandwidth  # noqa: E402  (the decode benchmarks' floor uses the same)
 
 # (model, projection, n, k): weight (n, k)
 SHAPES = [
@@ -54,16 +55,6 @@ def sweep_configs(rows: int):
     else:
         grid = itertools.product((16, 32, 64), (64, 128, 256, 512), (4, 8), (2, 3, 4))
     return [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s) for n, k, w, s in grid]
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write), median of do_bench."""
-    from triton.testing import do_bench
-
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=DEVICE)
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=10, rep=100, return_mode="median")
-    return 2 * src.numel() / (ms * 1e-3)
 
 
 def graphed_us(fn, weights, x, replays: int = 7) -> float:
@@ -105,7 +96,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    bandwidth = None if bench_common.SMOKE else copy_bandwidth()
+    bandwidth = None if bench_common.SMOKE else copy_bandwidth(torch.device(DEVICE))
     result = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "dtype": str(DTYPE),
               "torch": torch.__version__, "copy_bandwidth_bytes_per_s": bandwidth, "rows": []}
     for (model, proj, n, k), rows in itertools.product(SHAPES, ROWS):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from .manager import register
+from .shard.context import new_node
 
 aten = torch.ops.aten
 ssm = torch.ops.ssmshard
@@ -34,17 +35,16 @@ def _is_weight(node) -> bool:
 
 
 def _transposed_placement(placement, ndim: int):
-    """``placement`` of a tensor seen with its last two dims swapped."""
+    """``placement`` (None: unsharded) of a tensor seen with its last two dims swapped."""
     dim = getattr(placement, "dim", None)
     if dim is None or dim < ndim - 2:
         return placement
     return placement.with_dim(2 * ndim - 3 - dim)
 
 
-def _node(graph, target, args, like, val, placement):
-    node = graph.call_function(target, tuple(args))
-    node.meta["ssmshard"] = dict(like.meta.get("ssmshard", {}))
-    node.meta["val"] = val
+def _node(graph, target, args, like, placement):
+    """``new_node`` (``like``'s tags and source, the value from its inputs) with ``placement``."""
+    node = new_node(graph, target, args, like)
     if placement is not None:
         node.meta["placement"] = placement
     return node
@@ -55,7 +55,7 @@ def _retarget_linear(graph, node) -> bool:
     if node.kwargs or not _is_weight(weight):
         return False
     with graph.inserting_before(node):
-        new = _node(graph, ssm.decode_linear.default, (x, weight, bias), node, _val(node), node.meta.get("placement"))
+        new = _node(graph, ssm.decode_linear.default, (x, weight, bias), node, node.meta.get("placement"))
     node.replace_all_uses_with(new)
     graph.erase_node(node)
     return True
@@ -64,20 +64,17 @@ def _retarget_linear(graph, node) -> bool:
 def _retarget_weight_matmul(graph, node) -> bool:
     """``weight @ x`` (x (..., k, l)) as ``decode_linear(x.mT, weight).mT``."""
     weight, x = node.args
-    x_val, out_val = _val(x), _val(node)
+    x_val = _val(x)
     if node.kwargs or not _is_weight(weight) or not isinstance(x_val, torch.Tensor) or x_val.dim() < 3:
         return False
     ndim = x_val.dim()
     placement = node.meta.get("placement")
-    x_placement = x.meta.get("placement")
     with graph.inserting_before(node):
-        rows = _node(graph, aten.transpose.int, (x, -2, -1), node, x_val.transpose(-2, -1),
-                     None if x_placement is None else _transposed_placement(x_placement, ndim))
-        out_t = out_val.transpose(-2, -1)
-        linear = _node(graph, ssm.decode_linear.default, (rows, weight, None), node, out_t.contiguous(),
-                       None if placement is None else _transposed_placement(placement, ndim))
-        back = _node(graph, aten.transpose.int, (linear, -2, -1), node, out_t.contiguous().transpose(-2, -1),
-                     placement)
+        rows = _node(graph, aten.transpose.int, (x, -2, -1), node,
+                     _transposed_placement(x.meta.get("placement"), ndim))
+        linear = _node(graph, ssm.decode_linear.default, (rows, weight, None), node,
+                       _transposed_placement(placement, ndim))
+        back = _node(graph, aten.transpose.int, (linear, -2, -1), node, placement)
     node.replace_all_uses_with(back)
     graph.erase_node(node)
     return True
