@@ -358,6 +358,10 @@ def to_device(*ts):
     return [t.to(DEVICE) if t is not None else None for t in ts]
 
 
+def to_cpu(*ts):
+    return [t.cpu() for t in ts]
+
+
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 def test_state_update_mamba2_expanded_views(fresh_seed, state_dtype):
     # As Hugging Face calls it: dt, A, D, dt_bias are stride-0 expansions of per-head values.
@@ -369,7 +373,7 @@ def test_state_update_mamba2_expanded_views(fresh_seed, state_dtype):
     B, C = torch.randn(b, g, n), torch.randn(b, g, n)
     D, dt_bias = torch.randn(h, 1).expand(h, p), torch.randn(h, 1).expand(h, p)
     args = (state, x, dt, A, B, C, D, z, dt_bias, True)
-    out, new = selective_state_update(*to_device(*args[:9]), True)
+    out, new = to_cpu(*selective_state_update(*to_device(*args[:9]), True))
     out_ref, new_ref = seq_state_update(*[t.double() for t in args[:9]], True)
     assert rel_err(out, out_ref) <= FP32_TOL
     assert new.dtype == state_dtype and rel_err(new, new_ref) <= ROUNDING_TOL[state_dtype]
@@ -378,7 +382,26 @@ def test_state_update_mamba2_expanded_views(fresh_seed, state_dtype):
     buffer = state.clone().to(DEVICE)
     out2, new2 = selective_state_update(buffer, *to_device(*args[1:9]), True, out_state=buffer)
     assert new2.data_ptr() == buffer.data_ptr()
-    assert rel_err(out2, out_op) <= FP32_TOL and rel_err(buffer.float(), new_op.float()) <= ROUNDING_TOL[state_dtype]
+    assert rel_err(out2.cpu(), out_op) <= FP32_TOL
+    assert rel_err(buffer.cpu().float(), new_op.float()) <= ROUNDING_TOL[state_dtype]
+
+
+@pytest.mark.parametrize("config", [None, dict(BLOCK_P=1, num_warps=1), dict(BLOCK_P=2, num_warps=8),
+                                    dict(BLOCK_P=64, num_warps=4)])
+@pytest.mark.parametrize("a_per_head", [True, False])
+def test_state_update_tile_configs(fresh_seed, config, a_per_head):
+    # Every tiling (channels per program, warps; p = 5 leaves partial blocks) and both decay paths:
+    # A one value per head (a stride-0 expansion: one exp per channel) and A per (channel, state).
+    b, h, p, n, g = 2, 4, 5, 16, 2
+    state, x, z = torch.randn(b, h, p, n), torch.randn(b, h, p), torch.randn(b, h, p)
+    dt, dt_bias, D = torch.randn(b, h, p) * 0.5, torch.randn(h, p), torch.randn(h, p)
+    A = -torch.exp(torch.randn(h, 1, 1)).expand(h, p, n)
+    if not a_per_head:
+        A = A * torch.exp(torch.randn(h, p, n) * 0.3)
+    B, C = torch.randn(b, g, n), torch.randn(b, g, n)
+    out, new = to_cpu(*selective_state_update(*to_device(state, x, dt, A, B, C, D, z, dt_bias), True, config=config))
+    out_ref, new_ref = seq_state_update(*[t.double() for t in (state, x, dt, A, B, C, D, z, dt_bias)], True)
+    assert rel_err(out, out_ref) <= FP32_TOL and rel_err(new, new_ref) <= FP32_TOL
 
 
 @pytest.mark.parametrize("grouped", [False, True])
@@ -390,7 +413,7 @@ def test_state_update_mamba1(fresh_seed, grouped):
     B = torch.randn(b, g, n) if grouped else torch.randn(b, n)
     C = torch.randn(b, g, n) if grouped else torch.randn(b, n)
     D, dt_bias = torch.randn(d), torch.randn(d)
-    out, new = selective_state_update(*to_device(state, x, dt, A, B, C, D, z, dt_bias), True)
+    out, new = to_cpu(*selective_state_update(*to_device(state, x, dt, A, B, C, D, z, dt_bias), True))
     # Float64 reference in the Mamba-2 layout: one head per group, d // g channels each.
     gg = g or 1
     heads = lambda t: t.double().unflatten(1, (gg, d // gg))  # noqa: E731

@@ -13,6 +13,12 @@ run as the Mamba-2 layout with one head per B/C group (h = g, p = d // g).
 ``out_state`` receives the new state in place (preallocated buffers, CUDA-graph decode);
 ``out_state=state`` is safe: every program reads its whole (p-block, n) tile of the state
 before writing the same tile, element by element in the same thread.
+
+Speed: the kernel is bound by the state it reads and writes once. Two things keep it there
+at large batches (benchmarks/bench_state_update.py, results in benchmarks/results/state_update/):
+small (p-block, n) tiles, so that a register tile needs no spilling and enough programs run
+(``default_config``), and, where A is one value per head (Mamba-2's stride-0 expansion), one
+exponential per channel instead of one per state element.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ def _state_update_kernel(
     so_b, so_h, so_p,
     sn_b, sn_h, sn_p, sn_n,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-    BLOCK_P: tl.constexpr, N_PAD: tl.constexpr,
+    A_PER_HEAD: tl.constexpr, BLOCK_P: tl.constexpr, N_PAD: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
     head = tl.program_id(1)
@@ -63,12 +69,16 @@ def _state_update_kernel(
     if HAS_BIAS:
         bias = tl.load(bias_ptr + head * sbias_h + pp * sbias_p, mask=p_mask, other=0.0).to(tl.float32)
     dt = discretise(dt, bias, SOFTPLUS)
-    A = tl.load(A_ptr + head * sA_h + pp[:, None] * sA_p + nn[None, :] * sA_n, mask=tile_mask,
-                other=0.0).to(tl.float32)
+    if A_PER_HEAD:  # one decay per channel: exp over (BLOCK_P,), not over the tile
+        decay = tl.exp(dt * tl.load(A_ptr + head * sA_h).to(tl.float32))[:, None]
+    else:
+        A = tl.load(A_ptr + head * sA_h + pp[:, None] * sA_p + nn[None, :] * sA_n, mask=tile_mask,
+                    other=0.0).to(tl.float32)
+        decay = tl.exp(dt[:, None] * A)
     B = tl.load(B_ptr + b64 * sB_b + grp * sB_g + nn * sB_n, mask=nn < n, other=0.0).to(tl.float32)
     C = tl.load(C_ptr + b64 * sC_b + grp * sC_g + nn * sC_n, mask=nn < n, other=0.0).to(tl.float32)
 
-    new = state * tl.exp(dt[:, None] * A) + (dt * x)[:, None] * B[None, :]
+    new = state * decay + (dt * x)[:, None] * B[None, :]
     out = tl.sum(new * C[None, :], axis=1)
     if HAS_D:
         D = tl.load(D_ptr + head * sD_h + pp * sD_p, mask=p_mask, other=0.0).to(tl.float32)
@@ -97,17 +107,32 @@ def _as_heads(state, x, dt, A, B, C, D, z, dt_bias):
             split(z, 1), split(dt_bias, 0))
 
 
+def default_config(p: int, n: int, batch: int) -> dict:
+    """Channels per program (``BLOCK_P``) and warps for a batch of heads of ``p`` channels, ``n`` states.
+
+    From a sweep on an H200 with float32 states, as decode programs hold them
+    (benchmarks/results/state_update/: Mamba-1 n = 16, Mamba-2 n = 128, Zamba2 n = 64, batch
+    1, 16, 64, 256), within 7% of the best tiling at every shape and batch there: two warps on a
+    (channels x states) tile of 1024 elements (16 per thread) for batches; at batch 1, whose grid
+    is small, one warp on 256 elements, so that four times as many programs share the work.
+    Larger tiles spill or leave too few programs; smaller ones make short runs of memory."""
+    elements, warps = (256, 1) if batch == 1 else (1024, 2)
+    return dict(BLOCK_P=max(1, min(next_power_of_2(p), elements // next_power_of_2(n))), num_warps=warps)
+
+
 def selective_state_update(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                            D: Optional[Tensor] = None, z: Optional[Tensor] = None,
                            dt_bias: Optional[Tensor] = None, dt_softplus: bool = False, *,
-                           out_state: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                           out_state: Optional[Tensor] = None,
+                           config: Optional[dict] = None) -> tuple[Tensor, Tensor]:
     """One decode step (layouts of mamba_ssm's ``selective_state_update``).
 
     Mamba-2: state (b, h, p, n); x, dt, z (b, h, p) (dt may be a stride-0 view of per-head
     values); A (h, p, n) (expanded views welcome); B, C (b, g, n); D, dt_bias (h, p).
     Mamba-1: state (b, d, n); x, dt, z (b, d); A (d, n); B, C (b, n) or (b, g, n); D, dt_bias (d,).
     Returns (out in x's dtype, new state in state's dtype); with ``out_state`` the new state is
-    written there (``out_state=state`` updates in place) and returned.
+    written there (``out_state=state`` updates in place) and returned. ``config`` overrides
+    ``default_config`` (``BLOCK_P``, ``num_warps``; benchmarks sweep it).
     """
     if state.dim() not in (3, 4):
         raise ValueError(f"state must be (b, d, n) or (b, h, p, n), got shape {tuple(state.shape)}")
@@ -138,7 +163,8 @@ def selective_state_update(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: T
     D2 = torch.broadcast_to(D2, (h, p)) if D2 is not None else None
     bias2 = torch.broadcast_to(bias2, (h, p)) if bias2 is not None else None
     none2, none3 = (0, 0), (0, 0, 0)
-    block_p = min(64, next_power_of_2(p))
+    config = config or default_config(p, n, bsz)
+    block_p = config["BLOCK_P"]
     _state_update_kernel[(cdiv(p, block_p), h, bsz)](
         state4, x3, dt3, A3, B3, C3, D2 if D2 is not None else out3, z3 if z3 is not None else out3,
         bias2 if bias2 is not None else out3, out3, new4,
@@ -147,6 +173,7 @@ def selective_state_update(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: T
         *(D2.stride() if D2 is not None else none2), *(z3.stride() if z3 is not None else none3),
         *(bias2.stride() if bias2 is not None else none2), *out3.stride(), *new4.stride(),
         HAS_D=D2 is not None, HAS_Z=z3 is not None, HAS_BIAS=bias2 is not None, SOFTPLUS=dt_softplus,
-        BLOCK_P=block_p, N_PAD=next_power_of_2(n), num_warps=4,
+        A_PER_HEAD=all(A3.shape[i] == 1 or A3.stride(i) == 0 for i in (1, 2)),
+        BLOCK_P=block_p, N_PAD=next_power_of_2(n), num_warps=config["num_warps"],
     )
     return out, new_state
