@@ -30,6 +30,22 @@ def cpu_median_ms(fn, repeats: int = 1) -> float:
     return statistics.median(times)
 
 
+def init_single_process_group(device) -> None:
+    """A one-rank process group for a benchmark's ssmshard programs (NCCL on CUDA, else gloo),
+    with a timeout, on a free port unless MASTER_PORT is set: runs side by side on one host
+    (one per GPU) do not clash over a fixed port."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from ssmshard.runtime.launch import free_port
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1,
+                            timeout=datetime.timedelta(minutes=10))
+
+
 def pyplot(path: str):
     """``matplotlib.pyplot`` on the file-only Agg backend, or None (saying so) without matplotlib."""
     try:

@@ -38,7 +38,7 @@ Glossary:
 
 from __future__ import annotations
 
-import bench_common  # noqa: F401  (first: --smoke sets TRITON_INTERPRET before any kernel import)
+import bench_common  # first: --smoke sets TRITON_INTERPRET before any kernel import
 
 import argparse
 import datetime
@@ -293,9 +293,7 @@ def main(argv=None):
                    repeats=args.repeats, dtype=torch.bfloat16, device=torch.device("cuda", 0))
         models = args.models
         torch.cuda.set_device(run["device"])
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
-    dist.init_process_group("nccl" if run["device"].type == "cuda" else "gloo", rank=0, world_size=1)
+    bench_common.init_single_process_group(run["device"])
     device = run["device"]
     rates = ((matmul_flops_per_s(device, n=256 if args.smoke else 8192)),
              copy_bandwidth(device, gib=1.0 if device.type == "cuda" else 1 / 64))

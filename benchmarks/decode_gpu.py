@@ -59,7 +59,7 @@ then the compiled static-cache baseline (Llama). ``--variants`` runs some of the
 
 from __future__ import annotations
 
-import bench_common  # noqa: F401  (first: --smoke sets TRITON_INTERPRET before any kernel import)
+import bench_common  # first: --smoke sets TRITON_INTERPRET before any kernel import
 from bench_common import time_spent_in
 
 import argparse
@@ -510,9 +510,7 @@ def main(argv=None):
         run["models"] = {m: run["models"][m] for m in args.models}
     if run["device"].type == "cuda":
         torch.cuda.set_device(run["device"])
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29531")
-    dist.init_process_group("nccl" if run["device"].type == "cuda" else "gloo", rank=0, world_size=1)
+    bench_common.init_single_process_group(run["device"])
     # A smoke run copies a small buffer: the flow is checked, the figure means nothing.
     bandwidth = copy_bandwidth(run["device"], gib=1.0 if run["device"].type == "cuda" else 1 / 64)
     rec = Recorder(args.out, 0, clock)

@@ -29,6 +29,7 @@ import ssmshard
 from ssmshard.families import BY_NAME
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_common  # noqa: E402 (sibling module)
 from generate_gpu import build_random_model, keep_layers, llama3_8b_config, zamba2_2p7b_config  # noqa: E402 (sibling script)
 
 GPU_MODELS = {"zamba2-2.7b": zamba2_2p7b_config, "llama-3-8b": llama3_8b_config}
@@ -116,9 +117,7 @@ def main():
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16
     suite = SMOKE_MODELS if args.smoke else GPU_MODELS
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
-    dist.init_process_group("gloo" if args.smoke else "nccl", rank=0, world_size=1)
+    bench_common.init_single_process_group(device)
     bandwidth = None if args.smoke else copy_bandwidth(device)
     header = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "copy_bytes_per_s": bandwidth, "dtype": str(dtype)}

@@ -103,7 +103,8 @@ def _validate(fn, nprocs, args, backend) -> tuple[str, bytes]:
     return backend, payload
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a process group's store)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -268,7 +269,7 @@ def launch(fn, nprocs: int, *args, backend: str | None = None, timeout: float | 
     try:
         with tempfile.TemporaryDirectory(prefix="ssmshard-launch-") as tmp:
             error_files = [os.path.join(tmp, f"rank{rank}.err") for rank in range(nprocs)]
-            port = _free_port()
+            port = free_port()
             for rank in range(nprocs):
                 process = context.Process(target=_worker, args=(rank, nprocs, port, backend, timeout, payload,
                                                                 error_files[rank], dict(os.environ), rank_end),
