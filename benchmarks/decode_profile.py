@@ -25,7 +25,7 @@ Glossary:
 
 from __future__ import annotations
 
-import bench_common  # noqa: F401  (first: --smoke sets TRITON_INTERPRET before any kernel import)
+import bench_common  # first: --smoke sets TRITON_INTERPRET before any kernel import
 
 import argparse
 import collections
@@ -225,8 +225,7 @@ def main(argv=None):
         if "RANK" in os.environ:
             dist.init_process_group("gloo" if args.smoke else "nccl")
         else:  # one process: a world of one
-            dist.init_process_group("gloo" if args.smoke else "nccl", init_method="tcp://127.0.0.1:29571",
-                                    rank=0, world_size=1)
+            bench_common.init_single_process_group(torch.device("cpu" if args.smoke else "cuda"))
     if not args.smoke:
         torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
     data = run(args)

@@ -26,12 +26,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
-import socket
 import time
 
 import torch
 import torch.distributed as dist
 
+import bench_common
 from bench_common import time_spent_in
 
 import ssmshard
@@ -127,10 +127,7 @@ def main():
     args = parser.parse_args()
     if args.smoke:
         args.families, args.layers64 = ["mamba"], False
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    bench_common.init_single_process_group(torch.device("cpu"))  # gloo: the programs run on the CPU
     runs = [(f, None) for f in args.families] + ([("mamba", 64)] if args.layers64 else [])
     if args.verifier_nodes:
         for family, layers in runs:
