@@ -9,7 +9,8 @@ and by category, beside the step's wall time (TPOT) and its weight-read floor.
 Variants: ``tp1`` (every rank decodes its own copy), ``tp1_unoptimised`` (the same with
 ``Plan(skip_passes=OPTIONAL_PASSES)``: what the optimisation passes bring), and with 2 or more processes ``tpN`` (NCCL
 all-reduces) and ``tpN_symm`` (``Plan(allreduce="symm_mem")``: one-shot peer-memory all-reduce).
-Model: the Mamba-2.8B config with ``--layers`` of its 64 layers, random bf16 weights.
+Model: ``--model`` (a decode_gpu.py config: Mamba-2.8B by default, Mamba2-2.7B, Zamba2-2.7B,
+Llama-3-8B) with ``--layers`` of its layers, random bf16 weights; ``--variants`` picks variants.
 
 Glossary:
   step kernels   (profile of ``generate(n)`` - profile of ``generate(1)``) / (n - 1), by kernel
@@ -18,7 +19,8 @@ Glossary:
                  between kernels (launch gaps inside the CUDA graph, host work between steps).
   categories     matmul (cuBLAS / nvjet GEMM and GEMV kernels and their split-K reductions),
                  all-reduce (NCCL, one-shot), copies (copy and memcpy kernels), SSM step (the
-                 state and conv update kernels), other (norms, casts, elementwise, argmax).
+                 state and conv update kernels), attention (SDPA / flash kernels), other
+                 (norms, casts, elementwise, argmax).
   floor          weight bytes (the embedding table counts its looked-up rows) + recurrent state
                  bytes, over the copy bandwidth measured in the same run (decode_gpu.py's floor).
 """
@@ -44,16 +46,16 @@ from ssmshard.families import BY_NAME
 from ssmshard.plan import OPTIONAL_PASSES
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from decode_gpu import floor_row  # noqa: E402
+from decode_gpu import GPU_MODELS, floor_row  # noqa: E402
 from generate_gpu import build_random_model  # noqa: E402
 from static_kv_decode_gpu import copy_bandwidth, synchronize  # noqa: E402
-from tp_gpu import mamba_2p8b_config  # noqa: E402
 
 MATMUL_KERNELS = ("nvjet", "gemv", "gemm", "splitkreduce", "cutlass", "sm90_xmma")
 CATEGORIES = (("all-reduce", ("nccl", "all_reduce", "allreduce")),
               ("matmul", MATMUL_KERNELS),
               ("copies", ("copy", "memcpy")),
-              ("SSM step", ("_state_update", "_conv_update")))
+              ("SSM step", ("_state_update", "_conv_update")),
+              ("attention", ("flash", "fmha", "attention", "sdpa")))
 
 
 def category(kernel: str, categories=CATEGORIES) -> str:
@@ -83,7 +85,11 @@ def kernel_times(fn, device) -> dict[str, list]:
 
 
 def step_kernels(generate, new_tokens: int, device) -> list[dict]:
-    """The kernels of one decode step: generate(n) minus generate(1), per step (glossary)."""
+    """The kernels of one decode step: generate(n) minus generate(1), per step (glossary).
+    Both run once first: Triton's autotuner times its candidates on a kernel's first call (its
+    benchmark runs and cache-clearing fills would otherwise count as the step's kernels)."""
+    generate(new_tokens)
+    generate(1)
     long, short = kernel_times(lambda: generate(new_tokens), device), kernel_times(lambda: generate(1), device)
     steps = new_tokens - 1
     rows = []
@@ -111,25 +117,25 @@ def tpot_ms(generate, new_tokens: int, repeats: int, device) -> float:
     return 1e3 * (median_s(new_tokens) - median_s(1)) / (new_tokens - 1)
 
 
-def variants(world: int, smoke: bool) -> dict:
+def variants(world: int, smoke: bool, only=None) -> dict:
     plans = {"tp1": ssmshard.Plan(tp=1, training=False),
              "tp1_unoptimised": ssmshard.Plan(tp=1, training=False, skip_passes=list(OPTIONAL_PASSES))}
     if world > 1:
         plans[f"tp{world}"] = ssmshard.Plan(tp=world, training=False)
         if not smoke:
             plans[f"tp{world}_symm"] = ssmshard.Plan(tp=world, training=False, allreduce="symm_mem")
-    return plans
+    return {name: plan for name, plan in plans.items() if not only or name in only}
 
 
 def run(args) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", rank % torch.cuda.device_count()) if not args.smoke else torch.device("cpu")
     solo = [dist.new_group([r]) for r in range(world)]
-    config = BY_NAME["mamba"].make_config() if args.smoke else mamba_2p8b_config()
+    config = BY_NAME["mamba"].make_config() if args.smoke else GPU_MODELS[args.model]()
     config.num_hidden_layers = min(config.num_hidden_layers, args.layers)
     bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
     results = {}
-    for name, plan in variants(world, args.smoke).items():
+    for name, plan in variants(world, args.smoke, args.variants).items():
         model = build_random_model(config, device, torch.float32 if args.smoke else torch.bfloat16, args.seed)
         started = time.perf_counter()
         dm = ssmshard.parallelize(model, plan, group=solo[rank] if plan.tp == 1 else None)
@@ -162,7 +168,8 @@ def run(args) -> dict:
     return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke)",
             "date": datetime.date.today().isoformat(), "torch": torch.__version__,
             "nccl": ".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None,
-            "copy_bandwidth_bytes_per_s": bandwidth, "layers": config.num_hidden_layers, "world": world,
+            "copy_bandwidth_bytes_per_s": bandwidth, "model": "tiny-mamba" if args.smoke else args.model,
+            "layers": config.num_hidden_layers, "world": world,
             "prompt": args.prompt, "new_tokens": args.new_tokens, "results": results}
 
 
@@ -179,7 +186,7 @@ def plot(folder: str) -> None:
         for batch, cell in row["batches"].items():
             labels.append(f"{name}\nb{batch}")
             cells.append(cell)
-    order = ["matmul", "SSM step", "copies", "other", "all-reduce"]
+    order = ["matmul", "SSM step", "attention", "copies", "other", "all-reduce"]
     fig, ax = plt.subplots(figsize=(1.6 * len(cells) + 2, 4.5))
     bottom = [0.0] * len(cells)
     for label in order:
@@ -192,7 +199,7 @@ def plot(folder: str) -> None:
     if all(f is not None for f in floors):
         ax.scatter(labels, floors, marker="_", s=600, color="black", label="weight-read floor", zorder=3)
     ax.set_ylabel("ms per decode step")
-    ax.set_title(f"One decode step, {data['layers']}-layer Mamba-2.8B config, {data['device']}")
+    ax.set_title(f"One decode step, {data['layers']}-layer {data.get('model', 'mamba-2.8b')} config, {data['device']}")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(os.path.join(folder, "decode_profile.png"), dpi=120)
@@ -203,6 +210,8 @@ def parse_args(argv=None):
     parser.add_argument("--out", help="folder for decode_profile.json (and the plot)")
     parser.add_argument("--plot", metavar="DIR", help="only draw the plot from DIR/decode_profile.json")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny Mamba, fp32: checks the script")
+    parser.add_argument("--model", choices=sorted(GPU_MODELS), default="mamba-2.8b")
+    parser.add_argument("--variants", nargs="+", help="only these variants (tp1, tp1_unoptimised, tpN, tpN_symm)")
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--prompt", type=int, default=64)

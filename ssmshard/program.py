@@ -319,18 +319,19 @@ class Program:
         """``(logits, states)`` of a prefill/decode/chunk graph on its user inputs, as the graph
         orders them (the graph of ``program.siblings`` that serves their shapes)."""
         target = self.for_shapes(user_inputs)
-        if self.mode == "prefill" and not self.static_kv:
+        if self.mode in ("prefill", "chunk") and not self.static_kv:
             target = target._unpadded_if(user_inputs[1])
         outputs = target.executable(*target.weight_args(), *user_inputs)
         return outputs[0], list(outputs[1:])
 
     def _unpadded_if(self, attention_mask) -> "Program":
-        """This prefill program, or its causal-attention copy when ``attention_mask`` pads nothing."""
+        """This program, or its copy without what the mask does (``passes/unpadded.py``) when
+        every entry of ``attention_mask`` is 1."""
         if self.unpadded is None:
-            from .passes.causal_attention import unpadded_variant
+            from .passes.unpadded import unpadded_variant
 
             self.unpadded = unpadded_variant(self) or False
-        if self.unpadded is False or not bool(attention_mask.all()):
+        if self.unpadded is False or not bool((attention_mask == 1).all()):
             return self
         variant = self.unpadded
         variant.weights, variant.folded = self.weights, self.folded

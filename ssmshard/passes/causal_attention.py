@@ -12,9 +12,9 @@ Where the rewrite is exact:
 
 * a forward program (its only input is ``input_ids``: nothing is padded and nothing is in the
   past) - rewritten in place at capture;
-* a prefill program called with an attention mask of all ones - ``unpadded_variant`` gives a
-  copy of the (sharded) program with its attention rewritten, and ``Program.run`` runs that copy
-  when the mask has no zero (one host synchronisation per prefill).
+* a prefill program called with an attention mask of all ones - ``unpadded.unpadded_variant``
+  gives a copy of the (sharded) program with its attention rewritten (and the Mamba mixers'
+  mask multiplies dropped), and ``Program.run`` runs that copy when every mask entry is 1.
 
 Each rewritten call must have as many queries as keys (``is_causal`` aligns the mask to the
 top left) and the model no sliding window (the captured mask then also cuts old keys). Packed
@@ -22,8 +22,6 @@ programs keep their block-diagonal masks.
 """
 
 from __future__ import annotations
-
-import copy
 
 import torch
 import torch.fx
@@ -87,20 +85,3 @@ def causal_attention(program, ctx):
         if rewrite_causal(program.graph):
             program.graph_module.recompile()
     return program
-
-
-def unpadded_variant(program):
-    """A copy of prefill ``program`` that serves an unpadded batch with causal attention calls,
-    or None when no call would change. The copy shares the program's weights, folded values
-    and tables; its graph is its own."""
-    if program.mode != "prefill" or not _eligible(program):
-        return None
-    graph = torch.fx.Graph()
-    graph._codegen = program.graph._codegen  # how the module's code takes and returns values
-    graph.output(graph.graph_copy(program.graph, {}))  # nodes copied, their values shared
-    if not rewrite_causal(graph):
-        return None
-    variant = copy.copy(program)
-    variant.graph_module = torch.fx.GraphModule(program.graph_module, graph)
-    variant._compiled, variant.siblings, variant.recapture, variant.unpadded = None, [], None, None
-    return variant
