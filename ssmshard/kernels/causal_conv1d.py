@@ -52,6 +52,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ssmshard.kernels.launch_math import cdiv, next_power_of_2
+from ssmshard.kernels.pdl import launch_options, start_dependents_then_wait
 from ssmshard.kernels.reference import check_activation
 
 MAX_WIDTH = 8  # widest conv supported: the tile's group must hold k tokens
@@ -425,7 +426,7 @@ def _conv_update_kernel(
     x_ptr, sxb, sxd, sxl, st_ptr, ssb, ssd, ssk, w_ptr, swd, swk, bias_ptr,
     out_ptr, sob, sod, sol, new_ptr, snb, snd, snk, D, L, S,
     K: tl.constexpr, TOKENS: tl.constexpr, SLOTS: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr,
 ):
     """Conv of L new tokens after a state of the last S inputs; new state = last S inputs.
 
@@ -433,6 +434,7 @@ def _conv_update_kernel(
     Everything is read before anything is written (with a barrier between), so the new
     state may overwrite the old one in place: one program owns whole state rows.
     """
+    start_dependents_then_wait(PDL)  # kernels/pdl.py
     b = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)[:, None]  # (d, 1)
     d_mask = d < D
@@ -781,6 +783,6 @@ def causal_conv1d_update(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Op
         x3, *x3.stride(), conv_state, *conv_state.stride(), weight, *weight.stride(),
         bias if bias is not None else x3, out, *out.stride(), out_state, *out_state.stride(),
         d, l, s, K=k, TOKENS=next_power_of_2(l), SLOTS=next_power_of_2(s), BLOCK_D=block_d,
-        HAS_BIAS=bias is not None, SILU=activation is not None, num_warps=4,
+        HAS_BIAS=bias is not None, SILU=activation is not None, num_warps=4, **launch_options(x.device),
     )
     return (out.squeeze(-1) if one_token else out), out_state

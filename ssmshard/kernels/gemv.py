@@ -12,7 +12,9 @@ second kernel, and enough programs run at once to keep the memory system busy.
 
 One row (batch 1) reduces ``weight tile * x`` along k in registers; 2 to 16 rows use ``tl.dot``
 with the rows padded to 16 (the tensor cores' smallest tile; the padding costs no bytes).
-Accumulation is float32; the output has x's dtype. ``decode_linear``, the kernel of the
+Accumulation is float32; the output has x's dtype. On Hopper and later each program loads its
+first weight tile before waiting for the kernel that wrote x (programmatic dependent launch,
+``kernels/pdl.py``), so the weight stream starts while that kernel finishes. ``decode_linear``, the kernel of the
 ``ssmshard.decode_linear`` op, uses it for one row only (its docstring says why);
 benchmarks/bench_gemv.py measures both paths.
 """
@@ -28,14 +30,31 @@ import triton.language as tl
 from torch import Tensor
 
 from ssmshard.kernels.launch_math import cdiv, next_power_of_2
+from ssmshard.kernels.pdl import launch_options, start_dependents_then_wait
 
 MAX_ROWS = 16  # more rows than this are a matmul, which cuBLAS does well
 
 
 @triton.jit
+def _accumulate(acc, w, x_ptr, mm, m_mask, kk, k_mask, sx_m, sx_k, USE_DOT: tl.constexpr):
+    """``acc`` plus one k-chunk's products: ``w`` (BLOCK_N, BLOCK_K) times x's chunk ``kk``."""
+    if USE_DOT:
+        x = tl.load(x_ptr + mm[:, None] * sx_m + kk[None, :] * sx_k, mask=m_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        if x.dtype == tl.float32:
+            acc += tl.dot(x, tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+    else:
+        x = tl.load(x_ptr + kk * sx_k, mask=k_mask, other=0.0).to(tl.float32)
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    return acc
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K,
                  sx_m, sx_k, sw_n, sw_k, sy_m, sy_n,
-                 HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, PDL: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     nn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -46,21 +65,18 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K,
     if USE_DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
-        acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    # The first weight tile is loaded before waiting for the kernel that wrote x (kernels/pdl.py).
+    kk = tl.arange(0, BLOCK_K)
+    k_mask = kk < K
+    w = tl.load(w_rows + kk[None, :] * sw_k, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    start_dependents_then_wait(PDL)
+    acc = _accumulate(acc, w, x_ptr, mm, m_mask, kk, k_mask, sx_m, sx_k, USE_DOT)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         k_mask = kk < K
         w = tl.load(w_rows + kk[None, :] * sw_k, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        if USE_DOT:
-            x = tl.load(x_ptr + mm[:, None] * sx_m + kk[None, :] * sx_k, mask=m_mask[:, None] & k_mask[None, :],
-                        other=0.0)
-            if x.dtype == tl.float32:
-                acc += tl.dot(x, tl.trans(w.to(tl.float32)), input_precision="ieee")
-            else:
-                acc += tl.dot(x, tl.trans(w.to(x.dtype)))
-        else:
-            x = tl.load(x_ptr + kk * sx_k, mask=k_mask, other=0.0).to(tl.float32)
-            acc1 += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        acc = _accumulate(acc, w, x_ptr, mm, m_mask, kk, k_mask, sx_m, sx_k, USE_DOT)
     if USE_DOT:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + nn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -68,8 +84,8 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K,
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
     else:
         if HAS_BIAS:
-            acc1 += tl.load(bias_ptr + nn, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + nn * sy_n, acc1.to(y_ptr.dtype.element_ty), mask=n_mask)
+            acc += tl.load(bias_ptr + nn, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + nn * sy_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
 def default_config(rows: int, n: int, k: int) -> dict:
@@ -113,7 +129,8 @@ def gemv(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, config: Optio
     _gemv_kernel[(cdiv(n, block_n),)](
         x2, weight, bias if bias is not None else weight, y, rows, n, k,
         x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
-        HAS_BIAS=bias is not None, USE_DOT=use_dot, BLOCK_M=16 if use_dot else 1, BLOCK_N=block_n, **cfg)
+        HAS_BIAS=bias is not None, USE_DOT=use_dot, BLOCK_M=16 if use_dot else 1, BLOCK_N=block_n, **cfg,
+        **launch_options(x.device))
     return y.reshape(*x.shape[:-1], n)
 
 

@@ -26,6 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ssmshard.kernels.launch_math import next_power_of_2
+from ssmshard.kernels.pdl import launch_options, start_dependents_then_wait
 
 MAX_WIDTH = 8192  # channels per group held in registers by one program
 
@@ -49,7 +50,9 @@ def _rms_norm_kernel(
     x_ptr, residual_ptr, gate_ptr, weight_ptr, summed_ptr, out_ptr,
     eps, d, group_size, x_row_stride, residual_row_stride, gate_row_stride,
     HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr, NORM_DTYPE: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    start_dependents_then_wait(PDL)  # kernels/pdl.py: everything this kernel reads but the weight was just written
     row = tl.program_id(0).to(tl.int64)
     lane = tl.arange(0, BLOCK)
     mask = lane < group_size
@@ -111,7 +114,7 @@ def _launch(x: Tensor, residual: Optional[Tensor], gate: Optional[Tensor], weigh
             x_rows, residual_rows, gate_rows, weight.contiguous(), summed if summed is not None else out, out,
             float(eps), d, group_size, x_rows.stride(0), residual_rows.stride(0), gate_rows.stride(0),
             HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None, NORM_DTYPE=_TL_DTYPES[norm_dtype],
-            BLOCK=block, num_warps=_num_warps(block),
+            BLOCK=block, num_warps=_num_warps(block), **launch_options(x.device),
         )
     return summed, out
 

@@ -30,6 +30,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ssmshard.kernels.launch_math import cdiv, next_power_of_2
+from ssmshard.kernels.pdl import launch_options, start_dependents_then_wait
 from ssmshard.kernels.scan_common import discretise
 
 
@@ -49,8 +50,9 @@ def _state_update_kernel(
     so_b, so_h, so_p,
     sn_b, sn_h, sn_p, sn_n,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-    A_PER_HEAD: tl.constexpr, BLOCK_P: tl.constexpr, N_PAD: tl.constexpr,
+    A_PER_HEAD: tl.constexpr, BLOCK_P: tl.constexpr, N_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
+    start_dependents_then_wait(PDL)  # kernels/pdl.py
     pid_p = tl.program_id(0)
     head = tl.program_id(1)
     b64 = tl.program_id(2).to(tl.int64)
@@ -174,6 +176,6 @@ def selective_state_update(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: T
         *(bias2.stride() if bias2 is not None else none2), *out3.stride(), *new4.stride(),
         HAS_D=D2 is not None, HAS_Z=z3 is not None, HAS_BIAS=bias2 is not None, SOFTPLUS=dt_softplus,
         A_PER_HEAD=all(A3.shape[i] == 1 or A3.stride(i) == 0 for i in (1, 2)),
-        BLOCK_P=block_p, N_PAD=next_power_of_2(n), num_warps=config["num_warps"],
+        BLOCK_P=block_p, N_PAD=next_power_of_2(n), num_warps=config["num_warps"], **launch_options(x.device),
     )
     return out, new_state
