@@ -52,7 +52,7 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr, NORM_DTYPE: tl.constexpr, BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    start_dependents_then_wait(PDL)  # kernels/pdl.py: everything this kernel reads but the weight was just written
+    start_dependents_then_wait(PDL)  # kernels/pdl.py: x and the residual come from the kernel before
     row = tl.program_id(0).to(tl.int64)
     lane = tl.arange(0, BLOCK)
     mask = lane < group_size
