@@ -194,7 +194,9 @@ def test_generate_under_spd_equals_the_spd_forward_step_by_step(family, drop, fr
     prompt = _ids(model, fresh_seed, (1, 9))
     for chunk in (None, 5):  # chunks of 5 and 4 tokens (Mamba-2: no chunk shorter than the conv kernel)
         extra = {} if chunk is None else {"prefill_chunk_size": chunk}
-        out = mesh.generate(prompt, max_new_tokens=5, do_sample=False, **extra)
+        # An explicit mask: a prompt id equal to the pad token would otherwise be masked as padding
+        # (HF's rule for generate), which the forward does not do.
+        out = mesh.generate(prompt, torch.ones_like(prompt), max_new_tokens=5, do_sample=False, **extra)
         new = out[:, prompt.shape[1]:]
         assert new.shape[1] >= 1
         prefix = prompt
