@@ -134,15 +134,28 @@ def seconds_of(fn, device):
 
 
 def ttft_and_tpot(generate, new_tokens, repeats, device):
-    """TTFT and TPOT (seconds) of ``generate(max_new_tokens)``, each median after one warm-up
-    (the longer run first: a graph, a compiled step or a static cache sized for it is then
-    reused by the shorter one)."""
+    """TTFT (seconds): median of ``generate(1)``. TPOT: the slope of generate's time in the number
+    of tokens, ``(T(new_tokens) - T(short)) / (new_tokens - short)`` with ``short = new_tokens // 4``
+    (at least 2), medians of calls made alternately. Both calls pay the prompt's prefill and the
+    decode loop's per-call setup, so neither enters TPOT; a difference with ``generate(1)``, which
+    runs no decode step, would fold their run-to-run variation (tens of ms at batch 1 on an H200)
+    into the per-token figure. The longer run goes first: a graph, a compiled step or a static
+    cache sized for it is then reused by the shorter ones."""
+    short = max(2, new_tokens // 4)
+    if new_tokens <= short:
+        raise ValueError(f"TPOT needs at least 3 new tokens, got {new_tokens}")
     warm_up_s = seconds_of(lambda: generate(new_tokens), device)
+    seconds_of(lambda: generate(short), device)
     seconds_of(lambda: generate(1), device)
     first = statistics.median(seconds_of(lambda: generate(1), device) for _ in range(repeats))
-    whole = statistics.median(seconds_of(lambda: generate(new_tokens), device) for _ in range(repeats))
-    return {"ttft_ms": 1e3 * first, "tpot_ms": 1e3 * (whole - first) / (new_tokens - 1),
-            "generate_ms": 1e3 * whole, "warm_up_s": warm_up_s}
+    shorts, longs = [], []
+    for _ in range(repeats):
+        shorts.append(seconds_of(lambda: generate(short), device))
+        longs.append(seconds_of(lambda: generate(new_tokens), device))
+    part, whole = statistics.median(shorts), statistics.median(longs)
+    return {"ttft_ms": 1e3 * first, "tpot_ms": 1e3 * (whole - part) / (new_tokens - short),
+            "generate_ms": 1e3 * whole, "short_tokens": short, "generate_short_ms": 1e3 * part,
+            "tpot_method": "slope", "warm_up_s": warm_up_s}
 
 
 def median_ms(fn, repeats, device, seconds_left=float("inf")):

@@ -53,6 +53,7 @@ from torch.export import Dim
 from .families import family_of
 from .hf_compat import cache_kwarg
 from .hf_shims import continued_scans, swapped_kernel_functions
+from .layer_repeat import TRACED_LAYERS, NotRepeatable, decoder_layers, repeat_layers, truncated, why_not_repeatable
 from .packed_capture import PackedForward, check_packable, example_cu_seqlens, verify_packed_graph
 from .program import Program, StateSpec, unpadded_mask_and_positions
 
@@ -400,12 +401,32 @@ def _recapture(model, family, program, user_inputs) -> Program:
 
 def _capture_one(model, family, mode, example_batch, example_seq, packed=False, example_past=None,
                  static_kv=False, static_length=None) -> Program:
+    """Trace the first ``TRACED_LAYERS`` decoder layers and repeat the last where the layers are
+    alike (``layer_repeat.py``), else every layer."""
+    shapes = (example_batch, example_seq, packed, example_past, static_kv, static_length)
+    reason = why_not_repeatable(model)
+    if reason is None:
+        try:
+            return _trace(model, family, mode, *shapes, repeat_to=len(decoder_layers(model)[1]))
+        except NotRepeatable as error:
+            reason = str(error)
+    found = decoder_layers(model)
+    if found is not None and len(found[1]) > TRACED_LAYERS:
+        log.info("tracing all %d layers of %s: %s", len(found[1]), family.class_name, reason)
+    return _trace(model, family, mode, *shapes)
+
+
+def _trace(model, family, mode, example_batch, example_seq, packed=False, example_past=None,
+           static_kv=False, static_length=None, repeat_to=None) -> Program:
+    full_model = model
     if static_kv and not family.has_attention:
         raise ValueError(f"{family.class_name} has no attention: its decode states have fixed shapes already, "
                          "so it needs no static key/value buffers (capture mode='decode' without static_kv)")
     cache_kw = cache_kwarg(model)
     device = _model_device(model)
     with _capture_context(model, family):
+        if repeat_to is not None:  # after eval(): the view copies the modules' training flags
+            model = truncated(model, TRACED_LAYERS)
         # Batch is one named dim shared by every input. Sequence and past lengths are AUTO:
         # export narrows their range where the model branches on them, and the Program
         # records the range it serves.
@@ -477,9 +498,11 @@ def _capture_one(model, family, mode, example_batch, example_seq, packed=False, 
         for (layer_idx, kind, _, _), tensor in zip(_state_slots(state_template), flatten_states(state_template)):
             state_specs.append(StateSpec(layer=layer_idx, kind=kind, dtype=tensor.dtype, ndim=tensor.dim()))
     program = Program.from_exported(
-        exported, mode=mode, family=family.name, model=model, state_specs=state_specs,
+        exported, mode=mode, family=family.name, model=full_model, state_specs=state_specs,
         capture_device=device, wrapper_prefix="model.", packed=packed,
     )
+    if repeat_to is not None:
+        repeat_layers(program, repeat_to)
     program.static_kv = static_kv
     if packed:
         verify_packed_graph(program)
