@@ -99,3 +99,29 @@ def test_the_model_is_left_as_it_was(monkeypatch):
     assert model.config.num_hidden_layers == LAYERS
     assert len(program.state_specs) == 2 * LAYERS > 2 * TRACED_LAYERS
     assert sorted({spec.layer for spec in program.state_specs}) == list(range(LAYERS))
+
+
+@pytest.mark.parametrize("family", ["mamba2", "llama"])
+def test_repeated_programs_sharded_at_tp2_generate_hf_tokens(family, monkeypatch, fresh_seed):
+    """The passes (sharding, the decode rewrites a GPU plan runs) over repeated programs: tp=2
+    greedy generation equals HF's."""
+    monkeypatch.delenv("SSMSHARD_TRACE_ALL_LAYERS", raising=False)
+    monkeypatch.setattr(ssmshard.Plan, "kernel_choice", lambda self, device: "triton")
+    model = small_model(family, num_hidden_layers=LAYERS)
+    mesh = ssmshard.SimulatedMesh(model, ssmshard.Plan(tp=2))
+    generator = torch.Generator().manual_seed(fresh_seed)
+    ids = torch.randint(1, model.config.vocab_size, (2, 7), generator=generator)
+    with torch.no_grad():
+        tokens = mesh.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4)
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+    assert torch.equal(tokens, expected), f"seed {fresh_seed}"
+    decode = mesh.ranks[0]._generation["decode"]
+    assert len({spec.layer for spec in decode.state_specs}) == LAYERS
+
+
+def test_packed_forward_repeats_layers_too(monkeypatch):
+    model = small_model("mamba", num_hidden_layers=LAYERS)
+    repeated = _capture(model, "forward", monkeypatch, all_layers=False, packed=True)
+    traced = _capture(model, "forward", monkeypatch, all_layers=True, packed=True)
+    assert _nodes(repeated) == _nodes(traced) and _weights(repeated) == _weights(traced)
+    assert repeated.ranges == traced.ranges
