@@ -33,6 +33,11 @@ Decode rebuilds a Hugging Face cache object from the state tensors inside the tr
 function, so the model's own cache logic is what gets captured, version by version, and
 returns the updated tensors: no hidden mutation survives in the graph.
 
+Where every decoder layer is alike (same type, same weights' names and shapes), export traces
+the first three layers and ``layer_repeat.py`` copies the third for the rest, after checking on
+the traced graph that the copy is what tracing would give; capture time then does not grow with
+depth. Hybrids trace every layer.
+
 The model may live on the meta device: export only needs shapes, so capture never touches
 weights. The graph then records ``device=meta`` for factory ops; ``Program.bind`` retargets
 them to the device of the real weights.
