@@ -114,14 +114,15 @@ def generate_results(rank, world, families, seed, out_path, argument_families=()
 _KEPT_ALIVE = []  # modules a worker leaves alive, as a user script's globals would be at its end
 
 
-def graphed_vs_eager(rank, world, family, seed, out_path, leave_alive=False):
+def graphed_vs_eager(rank, world, family, seed, out_path, leave_alive=False, layers=None):
     """Greedy tokens of eager and CUDA-graph decoding (twice: capture, then replay) on GPUs, and
     HF's; then the graph replayed across a batch whose rows finish at different steps.
     ``leave_alive``: return with the module (and its graphs) still alive, as a script's globals
-    are at its end: ``launch``'s teardown must release the graphs (NCCL's would wait forever)."""
+    are at its end: ``launch``'s teardown must release the graphs (NCCL's would wait forever).
+    ``layers``: a model of that many decoder layers instead of the small model's own count."""
     from finishing_rows import finishing_rows
 
-    model = small_model(family).cuda()
+    model = small_model(family, **({} if layers is None else {"num_hidden_layers": layers})).cuda()
     try:
         dm = ssmshard.parallelize(model, ssmshard.Plan(tp=world))
         ids, mask = left_padded_prompts(model.config.vocab_size, (5, 12, 9), seed)

@@ -13,6 +13,8 @@ from ssmshard.reference_decode import hf_incremental_logits
 from ssmshard.testing import rel_err
 
 from conftest import small_model
+from finishing_rows import check_finishing_rows
+import generate_worker
 
 TOL = 1e-5
 LAYERS = 6  # three traced, three repeated
@@ -125,3 +127,17 @@ def test_packed_forward_repeats_layers_too(monkeypatch):
     traced = _capture(model, "forward", monkeypatch, all_layers=True, packed=True)
     assert _nodes(repeated) == _nodes(traced) and _weights(repeated) == _weights(traced)
     assert repeated.ranges == traced.ranges
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("family", ALIKE_LAYERS)
+def test_repeated_programs_graph_their_decode_on_a_gpu(family, tmp_path, fresh_seed):
+    """The GPU plan over repeated programs (Triton kernels, decode rewrites, CUDA-graph decode):
+    graphed tokens equal eager's and HF's, finishing rows included."""
+    import json
+
+    out = tmp_path / "tokens.json"
+    ssmshard.launch(generate_worker.graphed_vs_eager, 1, family, fresh_seed, str(out), False, LAYERS, backend="nccl")
+    tokens = json.loads(out.read_text())
+    assert tokens["graphed"] == tokens["eager"] == tokens["again"] == tokens["hf"], (family, fresh_seed)
+    check_finishing_rows(tokens["finishing"], f"{family} {LAYERS} layers, graphed (seed {fresh_seed})")
