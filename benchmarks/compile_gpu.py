@@ -23,8 +23,8 @@ Glossary:
                 u, delta, z in and y out (4 x b x l x d_inner), Mamba-2 x, z in and y out (3 x)
                 plus dt (b x l x heads); B and C are left out (small).
   roofline      floor_ms / forward_ms (1.0 = at the floor).
-  TPOT          (median ``generate(n)`` - median ``generate(1)``) / (n - 1), CUDA-graph decode
-                (``decode_gpu.ttft_and_tpot``); floor: ``decode_gpu.floor_row``.
+  TPOT          (median ``generate(n)`` - median ``generate(n // 4)``) / (n - n // 4), CUDA-graph
+                decode (``decode_gpu.ttft_and_tpot``); floor: ``decode_gpu.floor_row``.
   compile_s     seconds of the calls that compiled (``program.compilations``: tracing, Inductor,
                 the first run), per program; cold (empty Inductor cache) unless a previous model
                 of the same shapes filled it.

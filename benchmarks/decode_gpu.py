@@ -24,9 +24,10 @@ Variants (``variant`` in each row):
 Glossary:
   b, l, n       batch (requests), prompt length, new tokens per run.
   TTFT          median time of ``generate(max_new_tokens=1)`` (prefill and the first token).
-  TPOT          (median time of ``generate(max_new_tokens=n)`` - TTFT) / (n - 1): one decode step
-                with the host's per-token work; every timed run follows one untimed warm-up and
-                a device synchronize, and ends with one.
+  TPOT          (median time of ``generate(max_new_tokens=n)`` - median of ``generate(n // 4)``)
+                / (n - n // 4), the two timed alternately (``ttft_and_tpot`` says why not TTFT):
+                one decode step with the host's per-token work; every timed run follows one
+                untimed warm-up and a device synchronize, and ends with one.
   copy bandwidth  bytes read + written per second by a device-to-device copy of 1 GiB (median of
                 5), measured once per run (``static_kv_decode_gpu.copy_bandwidth``).
   weight-read floor  bytes one decode step must read / copy bandwidth: every weight once (the
