@@ -190,3 +190,30 @@ def test_changed_only_propagation_writes_what_a_full_one_does(family, monkeypatc
     assert sum(1 for n in full_nodes if isinstance(n.meta.get("val"), torch.Tensor)) > 100
     for a, b in zip(full_nodes, changed_nodes):
         assert _described(a.meta.get("val")) == _described(b.meta.get("val")), a.name
+
+
+def test_the_code_is_regenerated_after_a_pass_that_changes_the_graph_only(program, scoped_pass, monkeypatch, fresh_seed):
+    """run_pipeline regenerates the module's Python code when a pass changed a node (here: one
+    argument of one node), and not after a pass that changed nothing."""
+    recompiles = []
+    real = torch.fx.GraphModule.recompile
+    monkeypatch.setattr(torch.fx.GraphModule, "recompile", lambda self: (recompiles.append(self), real(self))[1])
+    scoped_pass("looks_only", lambda p, ctx: (p.op_counts(), p)[1])
+    passes.run_pipeline(program, ["looks_only"])
+    assert recompiles == []
+
+    def zero_the_logits(p, ctx):
+        output = next(n for n in p.graph.nodes if n.op == "output")
+        logits = output.args[0][0] if isinstance(output.args[0], (tuple, list)) else output.args[0]
+        with p.graph.inserting_before(output):
+            zeros = p.graph.call_function(torch.ops.aten.mul.Tensor, (logits, 0.0))
+        zeros.meta["ssmshard"] = dict(logits.meta["ssmshard"])
+        output.replace_input_with(logits, zeros)
+        return p
+
+    scoped_pass("zero_the_logits", zero_the_logits)
+    ids = torch.randint(0, 256, (2, 5))
+    assert program(ids).abs().sum() > 0
+    passes.run_pipeline(program, ["zero_the_logits"])
+    assert program.graph_module in recompiles
+    assert program(ids).abs().sum() == 0

@@ -8,6 +8,8 @@ import time
 from collections import Counter
 from typing import Any, Callable, Iterable
 
+import torch.fx
+
 from .fake_values import propagate_fake_values
 
 PassFn = Callable[["Program", "PassContext"], "Program"]  # noqa: F821
@@ -112,6 +114,27 @@ def _normalise(steps: Iterable[str | tuple[str, dict] | PassFn]):
             raise TypeError(f"pipeline step must be a name, (name, options) or a function, got {step!r}")
 
 
+def _graph_state(graph_module) -> list:
+    """What the generated code is made from, for the graph and every nested graph: each node
+    with its name, op, target and argument objects (a pass that changes a node replaces them)."""
+    return [(module, [(node, node.name, node.op, node.target, node.args, node.kwargs) for node in module.graph.nodes])
+            for module in graph_module.modules() if isinstance(module, torch.fx.GraphModule)]
+
+
+def _same_graph(before: list, after: list) -> bool:
+    """Whether no pass touched the graphs: ``recompile`` regenerates a module's Python code, which
+    for a 64-layer program costs more than many passes do (docs/startup.md)."""
+    if len(before) != len(after):
+        return False
+    for (module_a, nodes_a), (module_b, nodes_b) in zip(before, after):
+        if module_a is not module_b or len(nodes_a) != len(nodes_b):
+            return False
+        for a, b in zip(nodes_a, nodes_b):
+            if any(x is not y for x, y in zip(a, b)):
+                return False
+    return True
+
+
 def _op_diff(before: Counter, after: Counter) -> dict[str, int]:
     return {op: after[op] - before[op] for op in sorted(set(before) | set(after)) if after[op] != before[op]}
 
@@ -131,11 +154,13 @@ def run_pipeline(program, steps, *, skip: Iterable[str] = (), debug_dir: str | N
         if debug_dir:
             _dump(program, debug_dir, f"{index:02d}_{name}_before.txt")
         started = time.perf_counter()
+        graph_before = _graph_state(program.graph_module)
         result = fn(program, ctx)
         if result is None:
             raise PassVerificationError(f"pass {name!r} returned None; a pass must return the program")
         program = result
-        program.graph_module.recompile()
+        if not _same_graph(graph_before, _graph_state(program.graph_module)):
+            program.graph_module.recompile()
         seconds = time.perf_counter() - started
         if verify_each:
             verify(program, pass_name=name, propagate=name not in _NO_REPROPAGATION,
