@@ -58,7 +58,8 @@ from torch.export import Dim
 from .families import family_of
 from .hf_compat import cache_kwarg
 from .hf_shims import continued_scans, swapped_kernel_functions
-from .layer_repeat import TRACED_LAYERS, NotRepeatable, decoder_layers, repeat_layers, truncated, why_not_repeatable
+from .layer_repeat import (TRACED_LAYERS, NotRepeatable, decoder_layers, layer_lists, repeat_layers, truncated,
+                           why_not_repeatable)
 from .packed_capture import PackedForward, check_packable, example_cu_seqlens, verify_packed_graph
 from .program import Program, StateSpec, unpadded_mask_and_positions
 
@@ -280,8 +281,7 @@ def _capture_context(model, family):
 def _layer_progress(model, what: str):
     """Log (INFO, every ``PROGRESS_EVERY_S``) which decoder layer export is tracing: a large model
     takes tens of seconds. Forward pre-hooks only read a clock; nothing enters the graph."""
-    layers = [m for name, m in model.named_modules()
-              if name.rpartition(".")[2] == "layers" and isinstance(m, torch.nn.ModuleList)]
+    layers = [m for _, m in layer_lists(model)]
     count = sum(len(m) for m in layers)
     started = last = time.perf_counter()
     handles = []
@@ -410,12 +410,12 @@ def _capture_one(model, family, mode, example_batch, example_seq, packed=False, 
     alike (``layer_repeat.py``), else every layer."""
     shapes = (example_batch, example_seq, packed, example_past, static_kv, static_length)
     reason = why_not_repeatable(model)
+    found = decoder_layers(model)
     if reason is None:
         try:
-            return _trace(model, family, mode, *shapes, repeat_to=len(decoder_layers(model)[1]))
+            return _trace(model, family, mode, *shapes, repeat_to=len(found[1]))
         except NotRepeatable as error:
             reason = str(error)
-    found = decoder_layers(model)
     if found is not None and len(found[1]) > TRACED_LAYERS:
         log.info("tracing all %d layers of %s: %s", len(found[1]), family.class_name, reason)
     return _trace(model, family, mode, *shapes)

@@ -40,10 +40,15 @@ TRACED_LAYERS = 3  # layers 0 and 1 traced as they are, layer 2 traced and repea
 _LAYER_IN_PATH = re.compile(r"(^|\.)layers\.(\d+)(\.|$)")
 
 
+def layer_lists(model) -> list[tuple[str, torch.nn.ModuleList]]:
+    """(dotted path, module list) of every ``layers`` module list of the model."""
+    return [(name, module) for name, module in model.named_modules()
+            if name.rpartition(".")[2] == "layers" and isinstance(module, torch.nn.ModuleList)]
+
+
 def decoder_layers(model) -> tuple[str, torch.nn.ModuleList] | None:
     """(dotted path, module list) of the model's decoder layers, or None if there is not exactly one."""
-    found = [(name, module) for name, module in model.named_modules()
-             if name.rpartition(".")[2] == "layers" and isinstance(module, torch.nn.ModuleList)]
+    found = layer_lists(model)
     return found[0] if len(found) == 1 else None
 
 
@@ -222,6 +227,7 @@ def check_repeatable(units: list[_Unit], output: torch.fx.Node, relative_name) -
     """Raise :class:`NotRepeatable` unless layer 2 is layer 1 again, one layer on (module docstring)."""
     first, second = units[-2], units[-1]
     everything = {n for u in units for n in u.nodes()}
+    first_nodes, second_nodes = set(first.nodes()), set(second.nodes())
     for name, a, b in (("bodies", first.body, second.body), ("prologues", first.prologue, second.prologue),
                        ("weights", first.params, second.params), ("states", first.states, second.states)):
         if len(a) != len(b):
@@ -229,24 +235,25 @@ def check_repeatable(units: list[_Unit], output: torch.fx.Node, relative_name) -
     for one, two in zip(first.params, second.params):
         if relative_name[one] != relative_name[two]:
             raise NotRepeatable(f"weights {relative_name[one]} and {relative_name[two]} at the same position")
+    others_of_first = everything - first_nodes - set(units[-3].body)
+    others_of_second = everything - second_nodes - set(first.body)
     for part in ("prologue", "body"):
         for one, two in zip(getattr(first, part), getattr(second, part)):
-            shape_one = _shape_of(one, first, units[-3], everything - set(first.nodes()) - set(units[-3].body), relative_name)
-            shape_two = _shape_of(two, second, first, everything - set(second.nodes()) - set(first.body), relative_name)
+            shape_one = _shape_of(one, first, units[-3], others_of_first, relative_name)
+            shape_two = _shape_of(two, second, first, others_of_second, relative_name)
             if shape_one != shape_two:
                 raise NotRepeatable(f"{one.name} and {two.name} differ: {shape_one[:2]} / {shape_two[:2]}")
-    written = [[i for i, v in enumerate(output.args[0]) if isinstance(v, torch.fx.Node) and v in u.nodes()]
-               for u in (first, second)]
     outputs = output.args[0]
+    written = [[i for i, v in enumerate(outputs) if isinstance(v, torch.fx.Node) and v in nodes]
+               for nodes in (first_nodes, second_nodes)]
     alike = len(written[0]) == len(written[1]) and all(
         _reference(outputs[i], first, first, set(), relative_name) == _reference(outputs[j], second, second, set(), relative_name)
         for i, j in zip(*written))
     if not alike or (written[0] and written[1][0] != written[0][-1] + 1):
         raise NotRepeatable(f"layers' outputs are not consecutive and alike: at {written[0]} and {written[1]}")
-    second_nodes = set(second.nodes())
     for node in [*first.prologue, *first.body]:
         for user in node.users:
-            if user is not output and user not in second_nodes and user not in first.nodes():
+            if user is not output and user not in second_nodes and user not in first_nodes:
                 raise NotRepeatable(f"{node.name} of layer {len(units) - 2} is read by {user.name} outside the next layer")
 
 
@@ -276,8 +283,9 @@ def repeat_layers(program: Program, total_layers: int) -> Program:
     # What the next copy reads as its predecessor's output: position p of the previous layer's
     # body, starting from the template's own body.
     previous_body = list(template.body)
+    template_nodes = set(template.nodes())
     outputs = list(output.args[0])
-    template_outputs = [(i, v) for i, v in enumerate(outputs) if isinstance(v, torch.fx.Node) and v in template.nodes()]
+    template_outputs = [(i, v) for i, v in enumerate(outputs) if isinstance(v, torch.fx.Node) and v in template_nodes]
     new_outputs: list[torch.fx.Node] = []
     # Export orders weights by kind (parameters, buffers, constants): each new one goes after
     # the template's last of its kind, as tracing every layer would place it.
@@ -287,7 +295,7 @@ def repeat_layers(program: Program, total_layers: int) -> Program:
     body_anchor = template.body[-1].next
     new_inputs: dict[torch.fx.Node, tuple[GraphInput, torch.fx.Node]] = {}  # new placeholder -> (input, template)
     state_specs = list(program.state_specs)
-    external_users = {n: [u for u in n.users if u is not output and u not in template.nodes()] for n in template.body}
+    external_users = {n: [u for u in n.users if u is not output and u not in template_nodes] for n in template.body}
 
     for layer in range(traced, total_layers):
         env: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -369,5 +377,5 @@ def _rebuild_inputs(program, graph, spec_of, new_inputs):
     program.ranges = ranges
 
 
-__all__ = ["TRACED_LAYERS", "NotRepeatable", "check_repeatable", "decoder_layers", "repeat_layers", "truncated",
+__all__ = ["TRACED_LAYERS", "NotRepeatable", "check_repeatable", "decoder_layers", "layer_lists", "repeat_layers", "truncated",
            "why_not_repeatable"]
