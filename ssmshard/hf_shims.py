@@ -157,7 +157,8 @@ def selective_state_update(state, hidden_states, dt, A, B, C, D=None, dt_bias=No
                            dt_softplus=False, z=None, **kwargs):
     _refuse_under_packing("selective_state_update")
     out, new_state = _ssm.selective_state_update(state=state, x=hidden_states, dt=dt, A=A, B=B, C=C, D=D, z=z,
-                                                 dt_bias=dt_bias, dt_softplus=bool(dt_softplus))
+                                                 dt_bias=dt_bias, dt_softplus=bool(dt_softplus),
+                                                 dt_proj_weight=None)  # HF hands dt projected
     state.copy_(new_state)
     return out
 

@@ -25,7 +25,7 @@ from .token_layout import ORDERS as TSP_ORDERS
 
 
 # Passes a plan runs only to make its programs faster; ``Plan(skip_passes=[...])`` leaves them out.
-OPTIONAL_PASSES = ("fuse_rmsnorm", "decode_gemv", "inplace_decode_states", "fold_weights")
+OPTIONAL_PASSES = ("fuse_rmsnorm", "decode_gemv", "fuse_dt_proj", "inplace_decode_states", "fold_weights")
 # How a linear layer under Plan(tsp=D) reads a sharded weight (docs/tsp.md).
 TSP_WEIGHT_SCHEDULES = ("gather", "ring")
 TSP_LOGITS = ("gathered", "local")
@@ -107,7 +107,8 @@ class Plan:
     are ``fuse_rmsnorm`` (each RMSNorm, and the residual add before it, as one Triton kernel;
     generation programs under the Triton kernels), ``decode_gemv`` (the decode program's linear layers
     on a kernel that streams each weight for a batch of one; under the Triton kernels),
-    ``inplace_decode_states`` (the decode program
+    ``fuse_dt_proj`` (Mamba-1's ``dt_proj`` computed inside the decode step's state update kernel
+    instead of as a kernel of its own; under the Triton kernels), ``inplace_decode_states`` (the decode program
     writes each new state into the state tensor it was given and returns that tensor: the states
     passed in are overwritten) and ``fold_weights`` (weight-only subgraphs such as
     ``-exp(A_log.float())`` and casts of weights computed once per binding of the weights instead
@@ -233,7 +234,8 @@ class Plan:
         policy, the sync-point passes (``spd``, then ``quantize_sync``), then, when
         ``kernels == "triton"``, ``fuse_rmsnorm`` (generation programs, and forward programs of a plan
         that does not train: each RMSNorm and the residual add before it as one node), ``decode_gemv``
-        (decode programs: linear layers on the skinny-matmul op) and ``swap_kernels`` (always last: it only retargets SSM ops). ``runtime.pipeline.shard_program`` runs them; ``ssmshard inspect``
+        (decode programs: linear layers on the skinny-matmul op), ``fuse_dt_proj`` (decode programs:
+        Mamba-1's dt projection inside the state update) and ``swap_kernels`` (always last: it only retargets SSM ops). ``runtime.pipeline.shard_program`` runs them; ``ssmshard inspect``
         and the runtime both go through it. Under ``tsp``, forward programs are the ``tsp`` pass's;
         ``sequence_sharded=True`` asks for it on a prefill program too (the TSP prefill, whose
         states feed the tensor-parallel decode program: docs/tsp.md)."""
@@ -259,6 +261,7 @@ class Plan:
                 steps.append(("fuse_rmsnorm", {}))
             if mode == "decode":
                 steps.append(("decode_gemv", {}))
+                steps.append(("fuse_dt_proj", {}))
             steps.append(("swap_kernels", {"kernels": "triton", "compile": self.compile}))
         steps += self.inference_steps(mode)
         return [step for step in steps if (step if isinstance(step, str) else step[0]) not in self.skip_passes]

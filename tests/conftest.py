@@ -11,6 +11,7 @@ if not _torch.cuda.is_available():
 import pytest
 import torch
 
+import ssmshard
 from ssmshard.families import build_small_model
 from ssmshard.testing import randomize_weights
 
@@ -42,3 +43,18 @@ def small_model(family: str, **overrides):
     if key not in _MODELS:
         _MODELS[key] = randomize_weights(build_small_model(family, **overrides), seed=1)
     return _MODELS[key]
+
+
+def simulated_gpu_plan_generation(model, seed, monkeypatch, tp=2, max_new_tokens=4):
+    """Greedy tokens of a ``SimulatedMesh`` at ``tp`` running the GPU plan's passes (the Triton
+    kernel adapters, which run the reference ops on CPU tensors), HF's for the same prompts, and
+    the mesh (its rank programs to inspect)."""
+    monkeypatch.setattr(ssmshard.Plan, "kernel_choice", lambda self, device: "triton")
+    mesh = ssmshard.SimulatedMesh(model, ssmshard.Plan(tp=tp))
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, model.config.vocab_size, (2, 7), generator=generator)
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        tokens = mesh.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens)
+        expected = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
+    return tokens, expected, mesh

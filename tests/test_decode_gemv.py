@@ -94,7 +94,7 @@ def test_plan_runs_it_on_decode_programs_under_the_triton_kernels():
 
     plan = ssmshard.Plan()
     decode = steps(plan, "decode", "triton")
-    assert decode.index("decode_gemv") + 1 == decode.index("swap_kernels")
+    assert decode.index("decode_gemv") < decode.index("swap_kernels")
     assert "decode_gemv" not in steps(plan, "prefill", "triton") + steps(plan, "decode", "reference")
     assert "decode_gemv" not in steps(ssmshard.Plan(skip_passes=["decode_gemv"]), "decode", "triton")
 

@@ -77,7 +77,8 @@ def test_pipeline_fuses_inference_programs_only_under_triton():
     plan = ssmshard.Plan()
     decode = _step_names(plan, "decode", "triton")
     # then the decode GEMVs and the kernels, then the inference passes
-    assert decode[decode.index("fuse_rmsnorm") + 1:decode.index("swap_kernels") + 1] == ["decode_gemv", "swap_kernels"]
+    between = decode[decode.index("fuse_rmsnorm") + 1:decode.index("swap_kernels") + 1]
+    assert between == ["decode_gemv", "fuse_dt_proj", "swap_kernels"]
     assert "fuse_rmsnorm" in _step_names(plan, "prefill", "triton")
     # Training forward programs keep torch's norms (the fused kernel has no backward).
     assert "fuse_rmsnorm" not in _step_names(plan, "forward", "triton") + _step_names(plan, "decode", "reference")
@@ -104,9 +105,10 @@ def test_tensor_parallel_generation_with_fused_norms_gives_hf_tokens(monkeypatch
     assert torch.equal(tokens, expected)
     decode = mesh.ranks[0]._generation["decode"]  # swap_kernels put the fused nodes on their kernel adapters
     assert_every_norm_fused(decode, model, norm_targets={KERNELS[op][0] for op in NORM_OPS})
-    # The decode GEMVs too (decode_gemv), sharded dt_proj (``weight @ x``, rewritten) included.
+    # The decode GEMVs too (decode_gemv): in_proj, x_proj, out_proj per layer and the head; the
+    # sharded dt_proj (``weight @ x``, rewritten) is folded into the state update (fuse_dt_proj).
     gemvs = [n for n in decode.graph.nodes if n.target is KERNELS[ssm.decode_linear.default][0]]
-    assert len(gemvs) == 4 * model.config.num_hidden_layers + 1 and all("placement" in n.meta for n in gemvs)
+    assert len(gemvs) == 3 * model.config.num_hidden_layers + 1 and all("placement" in n.meta for n in gemvs)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])

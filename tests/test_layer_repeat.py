@@ -12,7 +12,7 @@ from ssmshard.layer_repeat import TRACED_LAYERS, why_not_repeatable
 from ssmshard.reference_decode import hf_incremental_logits
 from ssmshard.testing import rel_err
 
-from conftest import small_model
+from conftest import simulated_gpu_plan_generation, small_model
 from finishing_rows import check_finishing_rows
 import generate_worker
 
@@ -108,14 +108,8 @@ def test_repeated_programs_sharded_at_tp2_generate_hf_tokens(family, monkeypatch
     """The passes (sharding, the decode rewrites a GPU plan runs) over repeated programs: tp=2
     greedy generation equals HF's."""
     monkeypatch.delenv("SSMSHARD_TRACE_ALL_LAYERS", raising=False)
-    monkeypatch.setattr(ssmshard.Plan, "kernel_choice", lambda self, device: "triton")
     model = small_model(family, num_hidden_layers=LAYERS)
-    mesh = ssmshard.SimulatedMesh(model, ssmshard.Plan(tp=2))
-    generator = torch.Generator().manual_seed(fresh_seed)
-    ids = torch.randint(1, model.config.vocab_size, (2, 7), generator=generator)
-    with torch.no_grad():
-        tokens = mesh.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4)
-        expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+    tokens, expected, mesh = simulated_gpu_plan_generation(model, fresh_seed, monkeypatch)
     assert torch.equal(tokens, expected), f"seed {fresh_seed}"
     decode = mesh.ranks[0]._generation["decode"]
     assert len({spec.layer for spec in decode.state_specs}) == LAYERS

@@ -338,16 +338,21 @@ def causal_conv1d_update(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Op
 
 def selective_state_update(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                            D: Optional[Tensor] = None, z: Optional[Tensor] = None,
-                           dt_bias: Optional[Tensor] = None,
-                           dt_softplus: bool = False) -> tuple[Tensor, Tensor]:
+                           dt_bias: Optional[Tensor] = None, dt_softplus: bool = False,
+                           dt_proj_weight: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """One recurrent decode step (layouts of mamba_ssm's ``selective_state_update``).
 
     Mamba-2: state (b, h, p, n); x, dt, z (b, h, p); A (h, p, n);
              B, C (b, g, n); D, dt_bias (h, p).
-    Mamba-1: state (b, d, n); x, dt, z (b, d); A (d, n); B, C (b, n); D, dt_bias (d,).
+    Mamba-1: state (b, d, n); x, dt, z (b, d); A (d, n); B, C (b, n); D, dt_bias (d,);
+             with ``dt_proj_weight`` (d, r), dt is dt_proj's input (b, r), projected first.
     Returns (out in x's dtype, new_state in state's dtype); math in float32.
     """
     mamba1 = state.dim() == 3
+    if dt_proj_weight is not None:
+        if not mamba1:
+            raise ValueError(f"dt_proj_weight is Mamba-1's (state (b, d, n)); got state {tuple(state.shape)}")
+        dt = F.linear(dt, dt_proj_weight)  # (b, r) -> (b, d), in dt's dtype as the unfused step
     if mamba1:
         # Mamba-1 is the Mamba-2 layout with one head of head dim d and one group.
         state, x, dt, z = (t if t is None else t.unsqueeze(1) for t in (state, x, dt, z))

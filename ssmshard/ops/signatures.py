@@ -42,21 +42,30 @@ class OpSignature:
     def names(self) -> tuple[str, ...]:
         return tuple(a.name for a in self.arguments)
 
+    @functools.cached_property
+    def _defaults(self) -> tuple:
+        """``(name, has a default, the default)`` per argument, as plain Python values: ``bind``
+        runs inside compiled programs (the state writers), where Dynamo cannot call into
+        ``torch._C.Argument``."""
+        return tuple((a.name, a.has_default_value(), a.default_value if a.has_default_value() else None)
+                     for a in self.arguments)
+
     def bind(self, args, kwargs) -> dict:
         """``{argument name: value}`` of one call, schema defaults filled in."""
-        if len(args) > len(self.arguments):
-            raise TypeError(f"{self.qualname} takes {len(self.arguments)} arguments, got {len(args)}")
-        values = dict(zip(self.names, args))
-        unknown = set(kwargs) - set(self.names[len(args):])
+        defaults = self._defaults
+        if len(args) > len(defaults):
+            raise TypeError(f"{self.qualname} takes {len(defaults)} arguments, got {len(args)}")
+        values = {name: value for (name, _, _), value in zip(defaults, args)}
+        unknown = set(kwargs) - {name for name, _, _ in defaults[len(args):]}
         if unknown:
             raise TypeError(f"{self.qualname} got unexpected or repeated arguments {sorted(unknown)}")
-        for arg in self.arguments[len(args):]:
-            if arg.name in kwargs:
-                values[arg.name] = kwargs[arg.name]
-            elif arg.has_default_value():
-                values[arg.name] = arg.default_value
+        for name, has_default, default in defaults[len(args):]:
+            if name in kwargs:
+                values[name] = kwargs[name]
+            elif has_default:
+                values[name] = default
             else:
-                raise TypeError(f"{self.qualname} is missing argument {arg.name!r}")
+                raise TypeError(f"{self.qualname} is missing argument {name!r}")
         return values
 
 
@@ -88,10 +97,11 @@ SIGNATURES: dict[str, OpSignature] = {s.name: s for s in [
     OpSignature(
         "selective_state_update",
         "(Tensor state, Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? z, "
-        "Tensor? dt_bias, bool dt_softplus) -> (Tensor, Tensor)",
+        "Tensor? dt_bias, bool dt_softplus, Tensor? dt_proj_weight=None) -> (Tensor, Tensor)",
         "One recurrent decode step. Mamba-2: state (b, h, p, n); x, dt, z (b, h, p); A (h, p, n); B, C "
         "(b, g, n); D, dt_bias (h, p). Mamba-1: state (b, d, n); x, dt, z (b, d); A (d, n); B, C (b, n); "
-        "D, dt_bias (d,). Returns out (like x) and the new state (like state)."),
+        "D, dt_bias (d,); with dt_proj_weight (d, r), dt is dt_proj's input (b, r) and the op projects it "
+        "(the fuse_dt_proj pass). Returns out (like x) and the new state (like state)."),
     OpSignature(
         "gated_rms_norm",
         "(Tensor x, Tensor? gate, Tensor weight, float eps, SymInt group_size) -> Tensor",

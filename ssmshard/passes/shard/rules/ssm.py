@@ -93,6 +93,8 @@ def ssd_scan(cx, node):
 @rule(ssm.selective_state_update.default)
 def state_update(cx, node):
     a = bound_args(node)
+    if a["dt_proj_weight"] is not None:
+        cx.fail(node, "a state update with dt_proj folded in; run the fuse_dt_proj pass after the sharding passes")
     p = _channels(cx, node, a["x"], 1, "state update channels/heads")
     _split_like(cx, node, a, p, alike=("dt", "z", "state"), per_channel=("A", "D", "dt_bias"))
     if len(shape(a["x"])) == 2:

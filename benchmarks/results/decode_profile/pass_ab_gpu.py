@@ -1,0 +1,102 @@
+"""What one optimisation pass brings to a decode step: the graphed step's device time with and
+without it, timed alternately on one GPU in one process.
+
+    PYTHONPATH=$PWD python benchmarks/results/decode_profile/pass_ab_gpu.py --out $OUT --models mamba-2.8b --skip fuse_dt_proj
+    PYTHONPATH=$PWD python benchmarks/results/decode_profile/pass_ab_gpu.py --out $OUT --models mamba-2.8b --skip fuse_dt_proj decode_gemv
+
+Variants: the full plan (``all passes``) and, per ``--skip`` name, ``Plan(skip_passes=[name])``,
+each a ``parallelize`` of the same random bf16 model (``decode_gpu.GPU_MODELS``). Per batch each
+variant generates a few greedy tokens from the same prompt (which captures its decode graph;
+the tokens must agree across variants, else the row says so), then rounds of ``--replays``
+replays of each variant's CUDA graph alternate (``dm.decode_graph(b).graph.replay()``: one
+decode step on the state the prompt left, the host's per-token work excluded), each round timed
+by CUDA events. Step time: the median over rounds. This is the step's device time and its gaps
+between kernels; decode_gpu.py's TPOT adds the host loop around it.
+
+Rows go to ``OUT/pass_ab.jsonl``; the table is printed. GPU only (it times CUDA graphs), so it
+sits with the results it produced rather than among the benchmarks with a CPU smoke mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+import ssmshard
+from ssmshard.plan import OPTIONAL_PASSES
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # benchmarks/
+from bench_common import init_single_process_group  # noqa: E402
+from decode_gpu import GPU_MODELS, PAD, free_memory, prompt_ids  # noqa: E402
+from generate_gpu import build_random_model  # noqa: E402
+
+
+def step_ms(graph, replays: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def compare(model, variants, batch, args):
+    ids = prompt_ids(model.config.vocab_size, batch, args.prompt, torch.device("cuda"), args.seed)
+    tokens, graphs = {}, {}
+    for name, dm in variants.items():
+        tokens[name] = dm.generate(ids, max_new_tokens=args.new_tokens, pad_token_id=PAD)
+        graphs[name] = dm.decode_graph(batch)
+        if graphs[name] is None:
+            raise SystemExit(f"{name}: batch {batch} decoded without a CUDA graph")
+    times = {name: [] for name in variants}
+    for _ in range(args.rounds):
+        for name, graphed in graphs.items():
+            times[name].append(step_ms(graphed.graph, args.replays))
+    baseline = next(iter(tokens.values()))
+    return {name: dict(step_ms=statistics.median(t), rounds_ms=t, same_tokens=torch.equal(tokens[name], baseline))
+            for name, t in times.items()}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--models", nargs="+", default=["mamba-2.8b"], choices=sorted(GPU_MODELS))
+    parser.add_argument("--skip", nargs="+", required=True, choices=OPTIONAL_PASSES, help="one variant per pass")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 16, 64])
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=8)
+    parser.add_argument("--replays", type=int, default=50)
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--seed", type=int, default=7)
+    args = parser.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    device = torch.cuda.get_device_name()
+    init_single_process_group(torch.device("cuda"))
+    with open(os.path.join(args.out, "pass_ab.jsonl"), "a") as rows:
+        for model_name in args.models:
+            model = build_random_model(GPU_MODELS[model_name](), torch.device("cuda"), torch.bfloat16, seed=args.seed)
+            variants = {"all passes": ssmshard.parallelize(model, ssmshard.Plan(tp=1))}
+            variants.update({f"without {name}": ssmshard.parallelize(model, ssmshard.Plan(tp=1, skip_passes=[name]))
+                             for name in args.skip})
+            for batch in args.batches:
+                results = compare(model, variants, batch, args)
+                base = results["all passes"]["step_ms"]
+                for name, result in results.items():
+                    row = dict(model=model_name, batch=batch, variant=name, device=device, replays=args.replays,
+                               rounds=args.rounds, **result, over_all_passes=result["step_ms"] / base)
+                    rows.write(json.dumps(row) + "\n")
+                    rows.flush()
+                    print(f"{model_name:12s} b{batch:<4d} {name:28s} {result['step_ms']:8.4f} ms/step "
+                          f"x{row['over_all_passes']:.3f} same tokens: {result['same_tokens']}", flush=True)
+            del variants, model
+            free_memory(torch.device("cuda"))
+
+
+if __name__ == "__main__":
+    main()
