@@ -15,6 +15,7 @@ from ssmshard.testing import rel_err
 
 from conftest import small_model
 from test_decode_passes import INFERENCE_PASSES, decode_step_by_step, greedy_tokens_and_hf
+from test_kernel_selective_scan import to_device  # the GPU where there is one, else the interpreter
 
 aten, ssm = torch.ops.aten, torch.ops.ssmshard
 
@@ -33,7 +34,8 @@ def test_gemv_equals_a_float64_product(rows, dtype, fresh_seed):
     x = torch.randn(rows, 1, k, dtype=dtype)  # (b, 1, k): a decode step's activations
     weight, bias = torch.randn(n, k, dtype=dtype), torch.randn(n, dtype=dtype)
     for b in (None, bias):
-        got = kgemv.gemv(x, weight, b, config=dict(BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=1))
+        got = kgemv.gemv(*to_device(x, weight, b), config=dict(BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=1))
+        got = got.cpu()
         assert got.shape == (rows, 1, n) and got.dtype == dtype
         # float32 accumulation; the bfloat16 output is within one bfloat16 step (2^-7 relative):
         # Triton's interpreter truncates float32 to bfloat16 where a GPU rounds to nearest.
@@ -45,7 +47,7 @@ def test_gemv_equals_a_float64_product(rows, dtype, fresh_seed):
 @pytest.mark.parametrize("n,k", [(37, 300), (37, 1030), (1100, 1030)])
 def test_one_row_in_each_default_configuration_equals_a_float64_product(n, k, fresh_seed):
     x, weight, bias = torch.randn(1, 1, k), torch.randn(n, k), torch.randn(n)
-    got = kgemv.decode_linear(x, weight, bias)
+    got = kgemv.decode_linear(*to_device(x, weight, bias)).cpu()
     assert rel_err(got.double(), _float64_linear(x, weight, bias)) < 1e-6, (n, k, fresh_seed)
 
 

@@ -138,7 +138,7 @@ def test_plan_runs_it_after_decode_gemv_and_skip_passes_leaves_it_out():
                 for s in plan.pipeline(mode, placements={}, rank=0, group="g", kernels="triton")]
 
     decode = steps(ssmshard.Plan(), "decode")
-    assert decode.index("decode_gemv") + 1 == decode.index("fuse_dt_proj") == decode.index("swap_kernels") - 1
+    assert decode.index("decode_gemv") + 1 == decode.index("fuse_dt_proj") < decode.index("swap_kernels")
     assert "fuse_dt_proj" not in steps(ssmshard.Plan(), "prefill")
     assert "fuse_dt_proj" not in steps(ssmshard.Plan(skip_passes=["fuse_dt_proj"]), "decode")
 

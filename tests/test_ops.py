@@ -142,7 +142,7 @@ def to_double(args):
 
 
 def as_tuple(x):
-    return x if isinstance(x, tuple) else (x,)
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
 def check_grads(op, seq_fn, args, tol=GRAD_TOL):
@@ -468,7 +468,21 @@ def _export_cases():
         "rms_norm": [torch.randn(2, 3, 5), torch.randn(5), 1e-5],
         "add_rms_norm": [torch.randn(2, 3, 5), torch.randn(2, 3, 5), torch.randn(5), 1e-5, torch.float32],
         "decode_linear": [torch.randn(2, 1, 5), torch.randn(3, 5), torch.randn(3)],
+        "decode_linear_group": [torch.randn(2, 1, 5), [torch.randn(3, 5), torch.randn(4, 5)]],
     }
+
+
+def _map_tensors(args, fn):
+    """``args`` with ``fn`` applied to every tensor, those inside lists (``Tensor[]``) included."""
+    return [type(a)(fn(t) for t in a) if isinstance(a, (list, tuple)) else fn(a) if isinstance(a, torch.Tensor)
+            else a for a in args]
+
+
+def _tensors(args):
+    """Every tensor of ``args`` in order, list elements included."""
+    found = []
+    _map_tensors(args, found.append)
+    return found
 
 
 EXPORT_CASES = _export_cases()
@@ -483,15 +497,14 @@ class _CallOp(torch.nn.Module):
 
     def forward(self, *tensors):
         it = iter(tensors)
-        args = [next(it) if isinstance(a, torch.Tensor) else a for a in self.template]
-        return self.op(*args)
+        return self.op(*_map_tensors(self.template, lambda _: next(it)))
 
 
 @pytest.mark.parametrize("name", EXPORT_CASES.keys())
 @pytest.mark.parametrize("device", ["cpu", "meta"])
 def test_export_single_node(name, device):
     args = EXPORT_CASES[name]
-    tensors = tuple(a.to(device) for a in args if isinstance(a, torch.Tensor))
+    tensors = tuple(a.to(device) for a in _tensors(args))
     ep = torch.export.export(_CallOp(name, args), tensors, strict=False)
     target = getattr(OPS, name).default
     # Multi-output ops are followed by getitem nodes that unpack the tuple.
@@ -507,21 +520,30 @@ def test_fake_matches_real(name):
     args = EXPORT_CASES[name]
     real = as_tuple(getattr(OPS, name)(*args))
     with FakeTensorMode() as mode:
-        fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        fake_args = _map_tensors(args, mode.from_tensor)
         fake = as_tuple(getattr(OPS, name)(*fake_args))
     for f, r in zip(fake, real):
         assert (f.shape, f.dtype, f.device) == (r.shape, r.dtype, r.device)
 
 
+INFERENCE_ONLY = ("decode_linear_group",)  # registered without autograd (ops/ssm.py)
+
+
+def test_a_backward_through_an_inference_only_op_is_an_error():
+    x, weights = torch.randn(1, 5, requires_grad=True), [torch.randn(3, 5), torch.randn(2, 5)]
+    outs = OPS.decode_linear_group(x, weights)
+    with pytest.raises(RuntimeError, match="decode_linear_group"):
+        outs[0].sum().backward()
+
+
 @pytest.mark.parametrize("name", EXPORT_CASES.keys())
 def test_opcheck(name):
     # Schema, fake-impl, autograd-registration and AOT-dispatch consistency checks.
-    args = [
-        a.clone().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a
-        for a in EXPORT_CASES[name]
-    ]
+    args = _map_tensors(EXPORT_CASES[name], lambda a: a.clone().requires_grad_(a.is_floating_point()))
     utils = ["test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_static"]
-    if name not in ("selective_scan", "ssd_scan"):
+    if name in INFERENCE_ONLY:
+        utils = ["test_schema", "test_faketensor"]
+    elif name not in ("selective_scan", "ssd_scan"):
         # Passes for the scans too, but tracing their backward with symbolic
         # shapes takes ~15 s, too slow for this file.
         utils.append("test_aot_dispatch_dynamic")

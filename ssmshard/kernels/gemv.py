@@ -21,6 +21,7 @@ benchmarks/bench_gemv.py measures both paths.
 
 from __future__ import annotations
 
+import itertools
 from typing import Optional
 
 import torch
@@ -52,11 +53,11 @@ def _accumulate(acc, w, x_ptr, mm, m_mask, kk, k_mask, sx_m, sx_k, USE_DOT: tl.c
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K,
-                 sx_m, sx_k, sw_n, sw_k, sy_m, sy_n,
-                 HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, PDL: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid = tl.program_id(0)
+def _gemv_block(x_ptr, w_ptr, bias_ptr, y_ptr, pid, M, N, K,
+                sx_m, sx_k, sw_n, sw_k, sy_m, sy_n,
+                HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, PDL: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Output features ``pid * BLOCK_N ...`` of ``x @ w.T (+ bias)``: one program's work."""
     nn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = nn < N
     mm = tl.arange(0, BLOCK_M)
@@ -86,6 +87,43 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K,
         if HAS_BIAS:
             acc += tl.load(bias_ptr + nn, mask=n_mask, other=0.0).to(tl.float32)
         tl.store(y_ptr + nn * sy_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K,
+                 sx_m, sx_k, sw_n, sw_k, sy_m, sy_n,
+                 HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, PDL: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    _gemv_block(x_ptr, w_ptr, bias_ptr, y_ptr, tl.program_id(0), M, N, K, sx_m, sx_k, sw_n, sw_k, sy_m, sy_n,
+                HAS_BIAS, USE_DOT, PDL, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _row_block(x_ptr, w_ptr, y_ptr, pid, N, K, sx_k, sw_n, sw_k,
+               PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One program of a one-row product without bias, y contiguous."""
+    _gemv_block(x_ptr, w_ptr, w_ptr, y_ptr, pid, 1, N, K, 0, sx_k, sw_n, sw_k, 0, 1,
+                False, False, PDL, 1, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _grouped_row_kernel(x_ptr, w0, w1, w2, w3, y0, y1, y2, y3, n0, n1, n2, n3, end0, end1, end2, K, sx_k,
+                        sw0_n, sw0_k, sw1_n, sw1_k, sw2_n, sw2_k, sw3_n, sw3_k,
+                        GROUP: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One row times up to four weights of the same k: programs ``[end(i-1), end(i))`` compute
+    weight i's output features, so one launch serves them all."""
+    pid = tl.program_id(0)
+    if pid < end0:
+        _row_block(x_ptr, w0, y0, pid, n0, K, sx_k, sw0_n, sw0_k, PDL, BLOCK_N, BLOCK_K)
+    elif pid < end1:
+        _row_block(x_ptr, w1, y1, pid - end0, n1, K, sx_k, sw1_n, sw1_k, PDL, BLOCK_N, BLOCK_K)
+    else:
+        if GROUP > 2:
+            if pid < end2:
+                _row_block(x_ptr, w2, y2, pid - end1, n2, K, sx_k, sw2_n, sw2_k, PDL, BLOCK_N, BLOCK_K)
+            else:
+                if GROUP > 3:
+                    _row_block(x_ptr, w3, y3, pid - end2, n3, K, sx_k, sw3_n, sw3_k, PDL, BLOCK_N, BLOCK_K)
 
 
 def default_config(rows: int, n: int, k: int) -> dict:
@@ -147,3 +185,42 @@ def decode_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> T
     if rows != 1 or x.dtype != weight.dtype or weight.dim() != 2 or (bias is not None and bias.dtype != x.dtype):
         return F.linear(x, weight, bias)
     return gemv(x, weight, bias)
+
+
+MAX_GROUP = 4  # weights one grouped launch serves
+
+
+def grouped_gemv(x: Tensor, weights: list[Tensor], config: Optional[dict] = None) -> list[Tensor]:
+    """``[x @ w.T for w in weights]`` for one row x (..., k) and 2 to ``MAX_GROUP`` weights (n_i, k)
+    of x's dtype, in one kernel launch: each program computes ``BLOCK_N`` output features of one
+    weight. The tiling is ``default_config``'s for the summed output features."""
+    k = x.shape[-1]
+    if (x.numel() != k or not 2 <= len(weights) <= MAX_GROUP
+            or any(w.dim() != 2 or w.shape[1] != k or w.dtype != x.dtype for w in weights)):
+        raise ValueError(f"grouped_gemv: one row x {tuple(x.shape)} {x.dtype} and 2 to {MAX_GROUP} weights "
+                         f"(n, {k}) of its dtype; got {[(tuple(w.shape), w.dtype) for w in weights]}")
+    x2 = x.reshape(1, k)
+    outs = [torch.empty(*x.shape[:-1], w.shape[0], dtype=x.dtype, device=x.device) for w in weights]
+    cfg = dict(config or default_config(1, sum(w.shape[0] for w in weights), k))
+    block_n = cfg.pop("BLOCK_N")
+    ends = list(itertools.accumulate(cdiv(w.shape[0], block_n) for w in weights))
+    padding = MAX_GROUP - len(weights)
+    ws, ys = weights + [weights[0]] * padding, outs + [outs[0]] * padding
+    ns = [w.shape[0] for w in weights] + [0] * padding
+    ends_arg = (ends + [ends[-1]] * padding)[:MAX_GROUP - 1]
+    if ends[-1]:
+        _grouped_row_kernel[(ends[-1],)](
+            x2, *ws, *ys, *ns, *ends_arg, k, x2.stride(1), *(st for w in ws for st in w.stride()),
+            GROUP=len(weights), BLOCK_N=block_n, **cfg, **launch_options(x.device))
+    return outs
+
+
+def decode_linear_group(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
+    """``[F.linear(x, w) for w in weights]`` for a decode step (the ``group_decode_linears`` pass):
+    one launch of ``grouped_gemv`` for one row of the weights' dtype, ``decode_linear``'s
+    per-weight path otherwise."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if (rows != 1 or not 2 <= len(weights) <= MAX_GROUP
+            or any(w.dim() != 2 or w.dtype != x.dtype or w.shape[1] != x.shape[-1] for w in weights)):
+        return [decode_linear(x, w) for w in weights]
+    return grouped_gemv(x, weights)

@@ -33,7 +33,7 @@ on its own (from a zero state); the returned final state is the last sequence's.
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -414,3 +414,9 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
 def decode_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """``F.linear``: the op the ``decode_gemv`` pass puts a decode step's linear layers on."""
     return F.linear(x, weight, bias)
+
+
+def decode_linear_group(x: Tensor, weights: List[Tensor]) -> List[Tensor]:
+    """``[F.linear(x, w) for w in weights]``: the op the ``group_decode_linears`` pass puts linear
+    layers reading the same input on."""
+    return [F.linear(x, w) for w in weights]

@@ -5,8 +5,9 @@ their reference implementations, fakes and autograd. The collectives live in ``s
 """
 
 from .signatures import SIGNATURES, OpSignature
-from .ssm import (add_rms_norm, causal_conv1d, causal_conv1d_update, cu_seqlens_arg, decode_linear, gated_rms_norm,
-                  rms_norm, selective_scan, selective_state_update, ssd_scan)
+from .ssm import (add_rms_norm, causal_conv1d, causal_conv1d_update, cu_seqlens_arg, decode_linear, decode_linear_group,
+                  gated_rms_norm, rms_norm, selective_scan, selective_state_update, ssd_scan)
 
 __all__ = ["SIGNATURES", "OpSignature", "add_rms_norm", "causal_conv1d", "causal_conv1d_update", "cu_seqlens_arg",
-           "decode_linear", "gated_rms_norm", "rms_norm", "selective_scan", "selective_state_update", "ssd_scan"]
+           "decode_linear", "decode_linear_group", "gated_rms_norm", "rms_norm", "selective_scan",
+           "selective_state_update", "ssd_scan"]

@@ -123,4 +123,10 @@ SIGNATURES: dict[str, OpSignature] = {s.name: s for s in [
         "(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
         "A linear layer of a decode step, ``F.linear``: x (..., k); weight (n, k); bias (n,). Returns "
         "(..., n). Its kernel streams the weight for one row (batch-1 decode; the ``decode_gemv`` pass)."),
+    OpSignature(
+        "decode_linear_group",
+        "(Tensor x, Tensor[] weights) -> Tensor[]",
+        "Linear layers of a decode step that read the same input, without bias: ``[F.linear(x, w) for w "
+        "in weights]``. x (..., k); each weight (n_i, k). Its kernel runs them in one launch for one row "
+        "(the ``group_decode_linears`` pass)."),
 ]}

@@ -76,12 +76,13 @@ def _register_autograd_by_recompute(op, fn: Callable, grads_of: Optional[Callabl
     op.register_autograd(backward, setup_context=setup_context)
 
 
-def _define(name: str, reference: Callable, fake: Callable):
+def _define(name: str, reference: Callable, fake: Callable, differentiable: bool = True):
     """Register ``ssmshard::<name>`` with its declared schema.
 
     ``reference`` runs it (called with the arguments in schema order); ``fake`` gives the
     output shapes and takes the arguments by their schema names (those it needs, ``**_`` for
-    the rest).
+    the rest). ``differentiable=False``: no autograd formula (an op of decode programs only);
+    a backward through it is PyTorch's error naming the op, never a silent zero gradient.
     """
     signature = SIGNATURES[name]
     FAKES[name] = fake
@@ -91,7 +92,8 @@ def _define(name: str, reference: Callable, fake: Callable):
 
     op = torch.library.custom_op(signature.qualname, run, mutates_args=(), schema=signature.schema)
     op.register_fake(lambda *args, **kwargs: fake(**signature.bind(args, kwargs)))
-    _register_autograd_by_recompute(op, reference)
+    if differentiable:
+        _register_autograd_by_recompute(op, reference)
     return op
 
 
@@ -217,3 +219,13 @@ def _decode_linear_fake(x, weight, **_):
 # A decode step's linear layer as its own op, so the ``decode_gemv`` pass can put it on the
 # skinny-matmul kernel (``kernels/gemv.py``).
 decode_linear = _define("decode_linear", ref.decode_linear, _decode_linear_fake)
+
+
+def _decode_linear_group_fake(x, weights, **_):
+    return [x.new_empty((*x.shape[:-1], w.shape[0])) for w in weights]
+
+
+# Linear layers of a decode step that read the same input (Llama's q/k/v, gate/up) as one op, so
+# the ``group_decode_linears`` pass can run them as one kernel launch (``kernels/gemv.py``).
+decode_linear_group = _define("decode_linear_group", ref.decode_linear_group, _decode_linear_group_fake,
+                              differentiable=False)

@@ -117,6 +117,7 @@ _TRITON = [
     ("gated_rms_norm", "ssmshard.kernels.rms_norm", _call_by_name, True, _norm_limits),
     # A decode step's linear layers (``decode_gemv``); more rows than the kernel serves go to cuBLAS.
     ("decode_linear", "ssmshard.kernels.gemv", _call_by_name, True, None),
+    ("decode_linear_group", "ssmshard.kernels.gemv", _call_by_name, True, None),
 ]
 # op -> (adapter, module the kernel lives in, static check)
 KERNELS = {getattr(ssm, name).default: (_adapter(name, module, call, inference_only), module, check)

@@ -28,6 +28,7 @@ import sys
 import torch
 
 import ssmshard
+from ssmshard.families import family_of
 from ssmshard.plan import OPTIONAL_PASSES
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # benchmarks/
@@ -49,8 +50,10 @@ def step_ms(graph, replays: int) -> float:
 def compare(model, variants, batch, args):
     ids = prompt_ids(model.config.vocab_size, batch, args.prompt, torch.device("cuda"), args.seed)
     tokens, graphs = {}, {}
+    # Attention families graph their decode over static key/value buffers (as decode_gpu.py runs them).
+    options = dict(static_kv=args.prompt + args.new_tokens) if family_of(model).has_attention else {}
     for name, dm in variants.items():
-        tokens[name] = dm.generate(ids, max_new_tokens=args.new_tokens, pad_token_id=PAD)
+        tokens[name] = dm.generate(ids, max_new_tokens=args.new_tokens, pad_token_id=PAD, **options)
         graphs[name] = dm.decode_graph(batch)
         if graphs[name] is None:
             raise SystemExit(f"{name}: batch {batch} decoded without a CUDA graph")
