@@ -13,5 +13,6 @@ explicitly (they need Triton, and TRITON_INTERPRET=1 set first to run on CPU); t
 * ``ssd_scan`` (with ``ssd_scan_fwd``, ``ssd_scan_bwd``, ``ssd_triton_common``): Mamba-2 SSD;
 * ``causal_conv1d``: the depthwise causal conv and its decode update.
 * ``rms_norm``: RMSNorm, with the residual add before it, and Mamba-2's gated norm (forward).
-* ``gemv``: the skinny matmul of a decode step's linear layers (``ssmshard.decode_linear``).
+* ``gemv``: the skinny matmul of a decode step's linear layers (``ssmshard.decode_linear``), and of
+  several sharing one input in one launch (``ssmshard.decode_linear_group``).
 """

@@ -16,7 +16,9 @@ Accumulation is float32; the output has x's dtype. On Hopper and later each prog
 first weight tile before waiting for the kernel that wrote x (programmatic dependent launch,
 ``kernels/pdl.py``), so the weight stream starts while that kernel finishes. ``decode_linear``, the kernel of the
 ``ssmshard.decode_linear`` op, uses it for one row only (its docstring says why);
-benchmarks/bench_gemv.py measures both paths.
+benchmarks/bench_gemv.py measures both paths. ``grouped_gemv`` runs one row against up to
+``MAX_GROUP`` weights of the same k (q/k/v, gate/up) in one launch, each program computing
+output features of one of them: the kernel of ``ssmshard.decode_linear_group``.
 """
 
 from __future__ import annotations
