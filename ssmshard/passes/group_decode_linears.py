@@ -42,7 +42,7 @@ def _groupable(linear, x) -> bool:
     weight, bias = args[1], args[2]
     w, xv = _val(weight), _val(x)
     return (linear.target is ssm.decode_linear.default and args[0] is x and bias is None and not linear.kwargs
-            and weight.op == "placeholder" and isinstance(w, torch.Tensor) and isinstance(xv, torch.Tensor)
+            and isinstance(weight, torch.fx.Node) and weight.op == "placeholder" and isinstance(w, torch.Tensor) and isinstance(xv, torch.Tensor)
             and w.dim() == 2 and w.dtype == xv.dtype and w.shape[1] == xv.shape[-1])
 
 
