@@ -163,6 +163,35 @@ def test_verifier_catches_a_break_after_a_propagation_it_can_reuse(program, scop
         passes.run_pipeline(program, ["break_shapes"])
 
 
+def test_verifier_reuses_alike_layers_values_and_catches_a_break_in_the_last(scoped_pass, monkeypatch):
+    """Within one propagation a node with the same op and alike inputs as an earlier one takes its
+    value (fake_values.py): fewer ops run than the program has, and a break in the last of four
+    alike layers is still caught, its inputs no longer being alike."""
+    from ssmshard.passes import fake_values
+
+    computed = []
+    real = fake_values.FakeTensorProp.run_node
+    monkeypatch.setattr(fake_values.FakeTensorProp, "run_node",
+                        lambda self, n: (computed.append(n.op == "call_function"), real(self, n))[1])
+    scoped_pass("refresh", lambda p, c: p)
+    program = ssmshard.capture(small_model("mamba", num_hidden_layers=4))
+    computed.clear()
+    passes.run_pipeline(program, ["refresh"])
+    calls = sum(1 for n in program.graph.nodes if n.op == "call_function")
+    assert 0 < sum(computed) < calls * 0.6, (sum(computed), calls)
+
+    def break_last_layer(program, ctx):
+        linears = {n.meta["ssmshard"]["role"]: n for n in program.graph.nodes
+                   if n.op == "call_function" and n.target is torch.ops.aten.linear.default
+                   and n.meta["ssmshard"].get("layer") == 3}
+        linears["out_proj"].args = (linears["in_proj"], *linears["out_proj"].args[1:])
+        return program
+
+    scoped_pass("break_last_layer", break_last_layer)
+    with pytest.raises(passes.PassVerificationError, match="break_last_layer"):
+        passes.run_pipeline(ssmshard.capture(small_model("mamba", num_hidden_layers=4)), ["break_last_layer"])
+
+
 def _described(val):
     values = val if isinstance(val, (tuple, list)) else [val]
     return [(str(v.shape), str(v.stride()), v.dtype) for v in values if isinstance(v, torch.Tensor)]
