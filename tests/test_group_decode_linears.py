@@ -64,18 +64,22 @@ def _groups(program):
     return [n for n in program.graph.nodes if n.op == "call_function" and n.target is ssm.decode_linear_group.default]
 
 
-# Llama: q/k/v and gate/up per layer. Zamba2's shared block: q/k/v, and its MLP's gate_up with the
-# adapter's first projection; its Mamba layers have nothing to group.
-@pytest.mark.parametrize("family,per_layer", [("llama", 2), ("zamba2", None)])
-def test_grouping_keeps_logits_and_tokens(family, per_layer, fresh_seed):
+# Sizes of the groups each layer gets. Llama: q/k/v and gate/up. Zamba2's hybrid layers (the small
+# config has attention adapters): q/k/v and their adapters' first projections, six readers of one
+# input as two groups of three, then the MLP's gate_up with its adapter; its Mamba layers, none.
+GROUP_SIZES = {"llama": lambda config: [3, 2] * config.num_hidden_layers,
+               "zamba2": lambda config: [3, 3, 2] * config.layers_block_type.count("hybrid")}
+
+
+@pytest.mark.parametrize("family", sorted(GROUP_SIZES))
+def test_grouping_keeps_logits_and_tokens(family, fresh_seed):
     model = small_model(family)
     plain = run_pipeline(ssmshard.capture(model, mode="decode"), ["decode_gemv", *INFERENCE_PASSES])
     grouped = run_pipeline(ssmshard.capture(model, mode="decode"), ["decode_gemv", "group_decode_linears",
                                                                      *INFERENCE_PASSES])
     groups = _groups(grouped)
-    assert groups and len(groups) == len(grouped.linear_group_report), family
-    if per_layer is not None:
-        assert len(groups) == per_layer * model.config.num_hidden_layers
+    assert [len(group.args[1]) for group in groups] == GROUP_SIZES[family](model.config), family
+    assert len(groups) == len(grouped.linear_group_report), family
     for group in groups:
         x, weights = group.args
         assert 2 <= len(weights) <= gdl.MAX_GROUP and all(w.op == "placeholder" for w in weights)

@@ -19,18 +19,14 @@ from __future__ import annotations
 import torch
 
 from .manager import register
-from .shard.context import new_node
+from .shard.context import new_node, value_of
 
 aten = torch.ops.aten
 ssm = torch.ops.ssmshard
 
 
-def _val(node):
-    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-
-
 def _is_weight(node) -> bool:
-    value = _val(node)
+    value = value_of(node)
     return node.op == "placeholder" and isinstance(value, torch.Tensor) and value.dim() == 2
 
 
@@ -64,7 +60,7 @@ def _retarget_linear(graph, node) -> bool:
 def _retarget_weight_matmul(graph, node) -> bool:
     """``weight @ x`` (x (..., k, l)) as ``decode_linear(x.mT, weight).mT``."""
     weight, x = node.args
-    x_val = _val(x)
+    x_val = value_of(x)
     if node.kwargs or not _is_weight(weight) or not isinstance(x_val, torch.Tensor) or x_val.dim() < 3:
         return False
     ndim = x_val.dim()

@@ -27,7 +27,7 @@ import torch
 from ..ops import SIGNATURES
 from ..placement import Replicate
 from .manager import register
-from .shard.context import new_node
+from .shard.context import new_node, single_user, value_of
 
 aten = torch.ops.aten
 ssm = torch.ops.ssmshard
@@ -36,12 +36,8 @@ _DT, _WEIGHT = _ARGUMENTS.index("dt"), _ARGUMENTS.index("dt_proj_weight")
 
 
 def _shape(node):
-    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    value = value_of(node)
     return tuple(value.shape) if isinstance(value, torch.Tensor) else None
-
-
-def _only_reader_is(node, reader) -> bool:
-    return isinstance(node, torch.fx.Node) and list(node.users) == [reader]
 
 
 def _projection(update):
@@ -49,13 +45,13 @@ def _projection(update):
     if update.kwargs or len(update.args) <= _DT or (len(update.args) > _WEIGHT and update.args[_WEIGHT] is not None):
         return None
     dt = update.args[_DT]
-    if not (_only_reader_is(dt, update) and dt.target is aten.select.int and dt.args[2] == 0):
+    if not (single_user(dt) is update and dt.target is aten.select.int and dt.args[2] == 0):
         return None
     transposed = dt.args[0]
-    if not (_only_reader_is(transposed, dt) and transposed.target is aten.transpose.int):
+    if not (single_user(transposed) is dt and transposed.target is aten.transpose.int):
         return None
     linear = transposed.args[0]
-    if not (_only_reader_is(linear, transposed) and linear.target is ssm.decode_linear.default):
+    if not (single_user(linear) is transposed and linear.target is ssm.decode_linear.default):
         return None
     rows, weight, bias = (list(linear.args) + [None])[:3]
     b, d = _shape(dt) or (None, None)

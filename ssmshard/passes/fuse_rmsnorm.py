@@ -27,14 +27,11 @@ import torch
 
 from ..placement import Partial, Replicate, SeqShard
 from .manager import register
+from .shard.context import single_user, value_of
 
 aten = torch.ops.aten
 ssm = torch.ops.ssmshard
 _CASTS = (aten.to.dtype, aten._to_copy.default)
-
-
-def _single_user(node):
-    return next(iter(node.users)) if len(node.users) == 1 else None
 
 
 def _cast_dtype(node):
@@ -54,10 +51,6 @@ def _other(node, known):
     return b if a is known and b is not known else a if b is known and a is not known else None
 
 
-def _val(node):
-    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-
-
 def _match_norm(rsqrt):
     """The RMSNorm chain around ``rsqrt``: {x, weight, eps, h (the cast of x to float32, which other
     nodes may read too; None where x is float32 without one), nodes (the rest of the chain, in
@@ -68,31 +61,31 @@ def _match_norm(rsqrt):
         return None
     mean = add_eps.args[0]
     if not (isinstance(mean, torch.fx.Node) and mean.target is aten.mean.dim and len(mean.users) == 1
-            and list(mean.args[1]) in ([-1], [len(_val(mean).shape) - 1]) and mean.args[2:3] == (True,)
+            and list(mean.args[1]) in ([-1], [len(value_of(mean).shape) - 1]) and mean.args[2:3] == (True,)
             and not mean.kwargs):
         return None
     power = mean.args[0]
     if not (power.target is aten.pow.Tensor_Scalar and power.args[1] == 2 and len(power.users) == 1):
         return None
     h = power.args[0]
-    scale = _single_user(rsqrt)
+    scale = single_user(rsqrt)
     if scale is None or scale.target is not aten.mul.Tensor or _other(scale, rsqrt) is not h:
         return None
     if _cast_dtype(h) is torch.float32:
         x = h.args[0]
-    elif isinstance(_val(h), torch.Tensor) and _val(h).dtype == torch.float32:
+    elif isinstance(value_of(h), torch.Tensor) and value_of(h).dtype == torch.float32:
         # Already float32 without a cast of its own: SPD's ``base + pending``, whose parts it cast.
         x, h = h, None
     else:
         return None
-    back = _single_user(scale)
-    if back is None or _cast_dtype(back) != _val(x).dtype or back.args[0] is not scale:
+    back = single_user(scale)
+    if back is None or _cast_dtype(back) != value_of(x).dtype or back.args[0] is not scale:
         return None
-    out = _single_user(back)
+    out = single_user(back)
     if out is None or out.target is not aten.mul.Tensor or out.kwargs:
         return None
     weight = _other(out, back)
-    if weight is None or weight.op != "placeholder" or tuple(_val(weight).shape) != (_val(x).shape[-1],):
+    if weight is None or weight.op != "placeholder" or tuple(value_of(weight).shape) != (value_of(x).shape[-1],):
         return None
     return {"x": x, "weight": weight, "eps": add_eps.args[1],
             "nodes": [power, mean, add_eps, rsqrt, scale, back, out], "h": h, "out": out}
@@ -105,8 +98,8 @@ def _match_residual_add(x):
     if not (isinstance(add, torch.fx.Node) and add.target is aten.add.Tensor and not add.kwargs
             and all(isinstance(a, torch.fx.Node) for a in add.args[:2])):
         return None
-    shape = str(tuple(_val(add).shape))
-    if any(str(tuple(_val(a).shape)) != shape for a in add.args[:2]):
+    shape = str(tuple(value_of(add).shape))
+    if any(str(tuple(value_of(a).shape)) != shape for a in add.args[:2]):
         return None
     return add, cast
 
@@ -136,19 +129,19 @@ def _fuse(graph, match) -> bool:
         residual = None
     if residual is None:
         with graph.inserting_before(out):
-            fused = _call(graph, ssm.rms_norm.default, (x, weight, eps), out, _val(out), out.meta.get("placement"))
+            fused = _call(graph, ssm.rms_norm.default, (x, weight, eps), out, value_of(out), out.meta.get("placement"))
         out.replace_all_uses_with(fused)
     else:
         add, cast = residual
-        norm_dtype = _val(x).dtype
+        norm_dtype = value_of(x).dtype
         with graph.inserting_after(add):
             both = _call(graph, ssm.add_rms_norm.default, (add.args[1], add.args[0], weight, eps, norm_dtype),
-                         out, (_val(add), _val(out)),
+                         out, (value_of(add), value_of(out)),
                          (add.meta.get("placement"), out.meta.get("placement")) if "placement" in out.meta else None)
         with graph.inserting_after(both):
-            summed = _call(graph, operator.getitem, (both, 0), add, _val(add), add.meta.get("placement"))
+            summed = _call(graph, operator.getitem, (both, 0), add, value_of(add), add.meta.get("placement"))
         with graph.inserting_after(summed):
-            normed = _call(graph, operator.getitem, (both, 1), out, _val(out), out.meta.get("placement"))
+            normed = _call(graph, operator.getitem, (both, 1), out, value_of(out), out.meta.get("placement"))
         out.replace_all_uses_with(normed)
     for node in reversed(match["nodes"]):
         graph.erase_node(node)

@@ -25,14 +25,10 @@ import torch
 
 from ..kernels.launch_math import cdiv
 from .manager import register
-from .shard.context import new_node
+from .shard.context import new_node, value_of
 
 ssm = torch.ops.ssmshard
 MAX_GROUP = 4  # kernels.gemv.MAX_GROUP (not imported: that module needs Triton)
-
-
-def _val(node):
-    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
 
 
 def _groupable(linear, x) -> bool:
@@ -40,7 +36,7 @@ def _groupable(linear, x) -> bool:
     dtype and width."""
     args = list(linear.args) + [None] * (3 - len(linear.args))
     weight, bias = args[1], args[2]
-    w, xv = _val(weight), _val(x)
+    w, xv = value_of(weight), value_of(x)
     return (linear.target is ssm.decode_linear.default and args[0] is x and bias is None and not linear.kwargs
             and isinstance(weight, torch.fx.Node) and weight.op == "placeholder" and isinstance(w, torch.Tensor) and isinstance(xv, torch.Tensor)
             and w.dim() == 2 and w.dtype == xv.dtype and w.shape[1] == xv.shape[-1])

@@ -56,6 +56,16 @@ def hint(size) -> int:
     return size if isinstance(size, int) else size.node.hint
 
 
+def value_of(node):
+    """``node``'s fake value (``meta["val"]``); None for a non-node argument or a node without one."""
+    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
+
+def single_user(node):
+    """The one node reading ``node``; None when it is not a node or has no or several readers."""
+    return next(iter(node.users)) if isinstance(node, torch.fx.Node) and len(node.users) == 1 else None
+
+
 def is_tensor(node) -> bool:
     return isinstance(node, torch.fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)
 
