@@ -1,13 +1,13 @@
 """GPU benchmark of the decode GEMV (ssmshard.kernels.gemv) against cuBLAS (``F.linear``).
 
-For the projections of the Mamba-2.8B, Mamba2-2.7B and Llama-3-8B configurations at 1 to 16
+For the projections of the Mamba-2.8B, Mamba2-2.7B and Llama-3-8B configurations at 1 to 64
 rows (the decode batch): the device time of one call as a decode step sees it, i.e. inside a
 CUDA graph, back to back with other weights (each call reads its weight from HBM: the graph
 walks enough weight copies to overflow the L2 cache), beside the time the weight's bytes take
 at the copy bandwidth measured in the same run. Checks every variant against a float64
 reference first, then sweeps the kernel's tile configurations (``--sweep``).
 
-    python benchmarks/bench_gemv.py [--out results.json] [--sweep] [--smoke]
+    python benchmarks/bench_gemv.py [--out results.json] [--rows 1 2 4 ...] [--sweep] [--sweep-rows 1 16 64] [--smoke]
 
 Writes JSON to --out (else $OUT/bench_gemv.json), a plot beside it (.png, with matplotlib) and
 prints a table. ``--smoke`` runs tiny shapes on the CPU interpreter (checks the script; its
@@ -41,7 +41,7 @@ SHAPES = [
     ("llama-3-8b", "gate_proj", 14336, 4096), ("llama-3-8b", "down_proj", 4096, 14336),
     ("mamba-2.8b", "lm_head", 50280, 2560),
 ]
-ROWS = (1, 2, 4, 8, 16)
+ROWS = (1, 2, 4, 8, 16, 64)
 DEVICE, DTYPE = "cuda", torch.bfloat16
 L2_OVERFLOW_BYTES = 256 << 20  # the weights one graph walks through: several times the H200's L2
 if bench_common.SMOKE:
@@ -49,12 +49,19 @@ if bench_common.SMOKE:
     ROWS, DEVICE, DTYPE = (1, 3), "cpu", torch.float32
 
 
-def sweep_configs(rows: int):
+# Split-k is swept only where the feature blocks alone start fewer programs than this (an H200 has 132 SMs).
+SPLIT_BELOW_BLOCKS = 528
+
+
+def sweep_configs(rows: int, n: int):
     if rows == 1:
         grid = itertools.product((1, 2, 4, 8, 16), (256, 512, 1024, 2048), (2, 4, 8), (1,))
-    else:
-        grid = itertools.product((16, 32, 64), (64, 128, 256, 512), (4, 8), (2, 3, 4))
-    return [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s) for n, k, w, s in grid]
+        return [dict(BLOCK_N=bn, BLOCK_K=k, num_warps=w, num_stages=s) for bn, k, w, s in grid]
+    # 64 rows: wider feature blocks (each program re-reads x, as many bytes as the weight's at in_proj).
+    grid = itertools.product((32, 64, 128) if rows > 16 else (16, 32, 64), (64, 128) if rows > 16 else (128, 256),
+                             (4,), (3, 4), (1, 4, 8))
+    return [dict(BLOCK_N=bn, BLOCK_K=k, num_warps=w, num_stages=s, SPLIT_K=sk) for bn, k, w, s, sk in grid
+            if sk == 1 or -(-n // bn) < SPLIT_BELOW_BLOCKS]
 
 
 def graphed_us(fn, weights, x, replays: int = 7) -> float:
@@ -91,7 +98,10 @@ def rel_err(y, x, w) -> float:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_gemv.json"))
-    parser.add_argument("--sweep", action="store_true", help="also time every tile configuration (1 and 16 rows)")
+    parser.add_argument("--sweep", action="store_true", help="also time every tile configuration at --sweep-rows")
+    parser.add_argument("--rows", type=int, nargs="+", help=f"rows (decode batch) to time (default {ROWS})")
+    parser.add_argument("--sweep-rows", type=int, nargs="+", default=[1, 16, 64], help="rows the sweep runs at")
+    parser.add_argument("--shapes", nargs="+", help="only these projections (model:proj, e.g. mamba-2.8b:x_proj)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
@@ -99,7 +109,8 @@ def main(argv=None):
     bandwidth = None if bench_common.SMOKE else copy_bandwidth(torch.device(DEVICE))
     result = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "dtype": str(DTYPE),
               "torch": torch.__version__, "copy_bandwidth_bytes_per_s": bandwidth, "rows": []}
-    for (model, proj, n, k), rows in itertools.product(SHAPES, ROWS):
+    shapes = [s for s in SHAPES if not args.shapes or f"{s[0]}:{s[1]}" in args.shapes]
+    for (model, proj, n, k), rows in itertools.product(shapes, args.rows or ROWS):
         w_bytes = n * k * DTYPE.itemsize
         copies = max(2, min(64, L2_OVERFLOW_BYTES // w_bytes)) if DEVICE == "cuda" else 2
         weights = [torch.randn(n, k, device=DEVICE, dtype=DTYPE) / k ** 0.5 for _ in range(copies)]
@@ -111,16 +122,19 @@ def main(argv=None):
                "cublas_us": graphed_us(F.linear, weights, x),
                "gemv_us": graphed_us(kgemv.gemv, weights, x),
                "default_config": kgemv.default_config(rows, n, k)}
-        if args.sweep and rows in (ROWS[0], ROWS[-1]):
+        if args.sweep and rows in args.sweep_rows:
             sweep = []
-            for cfg in sweep_configs(rows):
+            for cfg in sweep_configs(rows, n):
                 try:
                     us = graphed_us(lambda a, b, c=cfg: kgemv.gemv(a, b, config=c), weights, x)
+                    err = rel_err(kgemv.gemv(x, weights[0], config=cfg), x, weights[0])
                 except Exception as e:  # noqa: BLE001 - a config the compiler rejects (shared memory) is skipped
                     sweep.append({**cfg, "error": f"{type(e).__name__}"})
                     continue
-                sweep.append({**cfg, "us": us})
-            timed = [s for s in sweep if "us" in s]
+                sweep.append({**cfg, "us": us, "err": err})
+            # A wrong result is never the best; split-k counters must be back at 0 after the replays.
+            timed = [s for s in sweep if "us" in s and s["err"] < 2e-2]
+            row["split_counters_nonzero"] = int(sum(int(c.count_nonzero()) for c in kgemv._SPLIT_COUNTERS.values()))
             row["best"] = min(timed, key=lambda s: s["us"]) if timed else None
             row["sweep"] = sweep
         result["rows"].append(row)

@@ -10,20 +10,24 @@ on an H200 its batch-1 GEMVs of the Mamba-2.8B projections stream their weights 
 whole output features and walks all of k: no partial sums leave a program, so there is no
 second kernel, and enough programs run at once to keep the memory system busy.
 
-One row (batch 1) reduces ``weight tile * x`` along k in registers; 2 to 16 rows use ``tl.dot``
-with the rows padded to 16 (the tensor cores' smallest tile; the padding costs no bytes).
-Accumulation is float32; the output has x's dtype. On Hopper and later each program loads its
-first weight tile before waiting for the kernel that wrote x (programmatic dependent launch,
-``kernels/pdl.py``), so the weight stream starts while that kernel finishes. ``decode_linear``, the kernel of the
-``ssmshard.decode_linear`` op, uses it for one row only (its docstring says why);
-benchmarks/bench_gemv.py measures both paths. ``grouped_gemv`` runs one row against up to
-``MAX_GROUP`` weights of the same k (q/k/v, gate/up) in one launch, each program computing
-output features of one of them: the kernel of ``ssmshard.decode_linear_group``.
+One row (batch 1) reduces ``weight tile * x`` along k in registers; 2 to 64 rows use ``tl.dot``
+with the rows padded to 16 or the next power of two (the tensor cores' smallest tile; the
+padding costs no weight bytes). Narrow weights (few output features, or a long k) split k over
+``SPLIT_K`` programs per block of features, the last of them to finish adding the partials
+(``_split_k_kernel``): still one kernel. Accumulation is float32; the output has x's dtype. On
+Hopper and later each program loads its first weight tile before waiting for the kernel that
+wrote x (programmatic dependent launch, ``kernels/pdl.py``), so the weight stream starts while
+that kernel finishes. ``decode_linear``, the kernel of the ``ssmshard.decode_linear`` op, uses
+it where it was measured faster than cuBLAS (``prefers_cublas``); benchmarks/bench_gemv.py
+measures both. ``grouped_gemv`` runs one row against up to ``MAX_GROUP`` weights of the same k
+(q/k/v, gate/up) in one launch, each program computing output features of one of them: the
+kernel of ``ssmshard.decode_linear_group``.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 from typing import Optional
 
 import torch
@@ -35,7 +39,7 @@ from torch import Tensor
 from ssmshard.kernels.launch_math import cdiv, next_power_of_2
 from ssmshard.kernels.pdl import launch_options, start_dependents_then_wait
 
-MAX_ROWS = 16  # more rows than this are a matmul, which cuBLAS does well
+MAX_ROWS = 64  # more rows than this are a matmul, which cuBLAS does well
 
 
 @triton.jit
@@ -55,11 +59,11 @@ def _accumulate(acc, w, x_ptr, mm, m_mask, kk, k_mask, sx_m, sx_k, USE_DOT: tl.c
 
 
 @triton.jit
-def _gemv_block(x_ptr, w_ptr, bias_ptr, y_ptr, pid, M, N, K,
-                sx_m, sx_k, sw_n, sw_k, sy_m, sy_n,
-                HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, PDL: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Output features ``pid * BLOCK_N ...`` of ``x @ w.T (+ bias)``: one program's work."""
+def _partial_product(x_ptr, w_ptr, pid, M, N, k_lo, k_hi, sx_m, sx_k, sw_n, sw_k,
+                     USE_DOT: tl.constexpr, PDL: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Output features ``pid * BLOCK_N ...`` of ``x[:, k_lo:k_hi] @ w[:, k_lo:k_hi].T`` in float32:
+    (BLOCK_M, BLOCK_N) with the dot, (BLOCK_N,) for one row. ``k_lo`` is a multiple of BLOCK_K."""
     nn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = nn < N
     mm = tl.arange(0, BLOCK_M)
@@ -70,25 +74,46 @@ def _gemv_block(x_ptr, w_ptr, bias_ptr, y_ptr, pid, M, N, K,
     else:
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     # The first weight tile is loaded before waiting for the kernel that wrote x (kernels/pdl.py).
-    kk = tl.arange(0, BLOCK_K)
-    k_mask = kk < K
+    kk = k_lo + tl.arange(0, BLOCK_K)
+    k_mask = kk < k_hi
     w = tl.load(w_rows + kk[None, :] * sw_k, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
     start_dependents_then_wait(PDL)
     acc = _accumulate(acc, w, x_ptr, mm, m_mask, kk, k_mask, sx_m, sx_k, USE_DOT)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
-        k_mask = kk < K
+        k_mask = kk < k_hi
         w = tl.load(w_rows + kk[None, :] * sw_k, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         acc = _accumulate(acc, w, x_ptr, mm, m_mask, kk, k_mask, sx_m, sx_k, USE_DOT)
+    return acc
+
+
+@triton.jit
+def _store_product(acc, bias_ptr, y_ptr, pid, M, N, sy_m, sy_n,
+                   HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``acc`` (+ bias) into y's rows, cast to y's dtype."""
+    nn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = nn < N
     if USE_DOT:
+        mm = tl.arange(0, BLOCK_M)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + nn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         y_ptrs = y_ptr + mm[:, None] * sy_m + nn[None, :] * sy_n
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(mm < M)[:, None] & n_mask[None, :])
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + nn, mask=n_mask, other=0.0).to(tl.float32)
         tl.store(y_ptr + nn * sy_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _gemv_block(x_ptr, w_ptr, bias_ptr, y_ptr, pid, M, N, K,
+                sx_m, sx_k, sw_n, sw_k, sy_m, sy_n,
+                HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, PDL: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Output features ``pid * BLOCK_N ...`` of ``x @ w.T (+ bias)``: one program's work."""
+    acc = _partial_product(x_ptr, w_ptr, pid, M, N, 0, K, sx_m, sx_k, sw_n, sw_k, USE_DOT, PDL,
+                           BLOCK_M, BLOCK_N, BLOCK_K)
+    _store_product(acc, bias_ptr, y_ptr, pid, M, N, sy_m, sy_n, HAS_BIAS, USE_DOT, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -98,6 +123,38 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     _gemv_block(x_ptr, w_ptr, bias_ptr, y_ptr, tl.program_id(0), M, N, K, sx_m, sx_k, sw_n, sw_k, sy_m, sy_n,
                 HAS_BIAS, USE_DOT, PDL, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _split_k_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
+                    sx_m, sx_k, sw_n, sw_k, sy_m, sy_n,
+                    HAS_BIAS: tl.constexpr, PDL: tl.constexpr, SPLIT_K: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Several rows, k split over SPLIT_K programs per block of output features (grid: feature
+    blocks x SPLIT_K), so that narrow weights (few output features, long k) still start enough
+    programs to stream them. Each program writes its float32 partial to ``part``; the last of a
+    block's programs to arrive (a counter per block, ``count``) adds the partials in split order,
+    stores y and resets the counter to 0 for the next launch. No second kernel, and the sum is
+    the same whichever program arrives last."""
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    k_lo = pid_k * k_per_split
+    acc = _partial_product(x_ptr, w_ptr, pid, M, N, k_lo, tl.minimum(K, k_lo + k_per_split),
+                           sx_m, sx_k, sw_n, sw_k, True, PDL, BLOCK_M, BLOCK_N, BLOCK_K)
+    tile = BLOCK_M * BLOCK_N
+    offsets = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    block_parts = part_ptr + pid.to(tl.int64) * SPLIT_K * tile + offsets
+    tl.store(block_parts + pid_k * tile, acc)
+    # Every thread's partial is written before one thread announces it (a release at GPU scope);
+    # the last arrival's acquire makes all partials visible, read past L1 (.cg).
+    tl.debug_barrier()
+    arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLIT_K - 1:
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            total += tl.load(block_parts + s * tile, cache_modifier=".cg")
+        tl.store(count_ptr + pid, 0)
+        _store_product(total, bias_ptr, y_ptr, pid, M, N, sy_m, sy_n, HAS_BIAS, True, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -129,13 +186,14 @@ def _grouped_row_kernel(x_ptr, w0, w1, w2, w3, y0, y1, y2, y3, n0, n1, n2, n3, e
 
 
 def default_config(rows: int, n: int, k: int) -> dict:
-    """Block sizes and warps for ``rows`` x ``k`` times a (``n``, ``k``) weight.
+    """Block sizes, warps and split-k for ``rows`` x ``k`` times a (``n``, ``k``) weight.
 
-    From a sweep over the projections of Mamba-2.8B, Mamba2-2.7B and Llama-3-8B on an H200
-    (benchmarks/results/gemv/): within 10% of each shape's best configuration there. A short k
-    (Mamba's dt_proj) takes all of it in one step; few output features (x_proj, Llama's k/v) want
-    one feature per program so that enough programs run; otherwise two features per program
-    stream long rows of k."""
+    From sweeps over the projections of Mamba-2.8B, Mamba2-2.7B and Llama-3-8B on an H200
+    (benchmarks/results/gemv/). One row: a short k (Mamba's dt_proj) takes all of it in one
+    step; few output features (x_proj, Llama's k/v) want one feature per program so that enough
+    programs run; otherwise two features per program stream long rows of k. Several rows
+    (``tl.dot``): few output features or a long k over fewer than ~8192 features split k over
+    4-8 programs per block (x_proj at 16 rows: 7.51 us with cuBLAS, 4.25 split 8 ways)."""
     if rows == 1:
         if k <= 512:
             return dict(BLOCK_N=8, BLOCK_K=next_power_of_2(k), num_warps=4, num_stages=1)
@@ -143,16 +201,56 @@ def default_config(rows: int, n: int, k: int) -> dict:
             return dict(BLOCK_N=1, BLOCK_K=2048, num_warps=8, num_stages=1)
         return dict(BLOCK_N=2, BLOCK_K=2048 if k >= 4096 else 1024, num_warps=2, num_stages=1)
     if k <= 512:
-        return dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)
+        return dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
     if n <= 1024:
-        return dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=3)
-    if n >= 12288:
-        return dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
-    return dict(BLOCK_N=32, BLOCK_K=512 if k >= 4096 else 128, num_warps=4, num_stages=4)
+        if rows > 16:
+            return dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4, SPLIT_K=8 if n <= 256 else 4)
+        return dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3, SPLIT_K=8)
+    if rows > 16:
+        return dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)
+    if n < 8192 and k >= 4096:
+        return dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3, SPLIT_K=4)
+    return dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
+
+
+def prefers_cublas(rows: int, n: int, k: int) -> bool:
+    """Whether cuBLAS was faster than the kernel's ``default_config`` for this shape on an H200
+    (benchmarks/results/gemv/, each call alone in a CUDA graph): above 16 rows everywhere but few
+    output features or a short k (cuBLAS's tensor-core tiles then win: Mamba-2.8B in_proj at 64
+    rows 17.6 us against 19.3); at 2-16 rows on 8192-16384 features of a short k (Mamba's
+    in_proj: 16.2 against 17.1 us at 16 rows; gate_proj, with k 4096, stays on the kernel)."""
+    if rows == 1:
+        return False
+    if rows > 16:
+        return not (n <= 1024 or k <= 512)
+    return 8192 <= n <= 16384 and k < 4096
+
+
+# One counter per block of output features for the split-k kernel, per (device, stream): every
+# launch leaves its counters at 0, so launches on one stream can share them. Allocated once and
+# kept (a CUDA graph captured with a launch holds their address). Graphs captured on one stream
+# share that stream's counters: they must not be replayed at the same time on two streams.
+_SPLIT_COUNTERS: dict = {}
+MAX_SPLIT_BLOCKS = 1 << 16
+
+
+def _split_counters(device: torch.device) -> Tensor:
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    if key not in _SPLIT_COUNTERS:
+        _SPLIT_COUNTERS[key] = torch.zeros(MAX_SPLIT_BLOCKS, dtype=torch.int32, device=device)
+    return _SPLIT_COUNTERS[key]
+
+
+def block_m(rows: int) -> int:
+    """Rows of the kernel's tile: 1 for one row, else the tensor cores' 16 or the next power of two."""
+    return 1 if rows == 1 else max(16, next_power_of_2(rows))
 
 
 def gemv(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, config: Optional[dict] = None) -> Tensor:
-    """``x @ weight.T + bias`` for x (..., k) with at most ``MAX_ROWS`` rows in all; weight (n, k)."""
+    """``x @ weight.T + bias`` for x (..., k) with at most ``MAX_ROWS`` rows in all; weight (n, k).
+    ``config``: BLOCK_N, BLOCK_K, num_warps, num_stages and, for more than one row, SPLIT_K
+    (programs sharing one block's k; default 1)."""
     k = x.shape[-1]
     n = weight.shape[0]
     rows = x.numel() // k if k else 0
@@ -164,27 +262,51 @@ def gemv(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, config: Optio
     if rows == 0 or n == 0:
         return y.reshape(*x.shape[:-1], n)
     cfg = dict(config or default_config(rows, n, k))
-    use_dot = rows > 1
     block_n = cfg.pop("BLOCK_N")
-    _gemv_kernel[(cdiv(n, block_n),)](
-        x2, weight, bias if bias is not None else weight, y, rows, n, k,
-        x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
-        HAS_BIAS=bias is not None, USE_DOT=use_dot, BLOCK_M=16 if use_dot else 1, BLOCK_N=block_n, **cfg,
-        **launch_options(x.device))
+    split_k = cfg.pop("SPLIT_K", 1)
+    blocks = cdiv(n, block_n)
+    args = (x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1))
+    bias_arg = bias if bias is not None else weight
+    if split_k > 1 and rows > 1 and blocks <= MAX_SPLIT_BLOCKS:
+        k_per_split = cdiv(cdiv(k, split_k), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+        split_k = cdiv(k, k_per_split)
+        bm = block_m(rows)
+        part = torch.empty(blocks * split_k * bm * block_n, dtype=torch.float32, device=x.device)
+        _split_k_kernel[(blocks, split_k)](
+            x2, weight, bias_arg, y, part, _split_counters(x.device), rows, n, k, k_per_split, *args,
+            HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK_M=bm, BLOCK_N=block_n, **cfg,
+            **launch_options(x.device))
+    else:
+        _gemv_kernel[(blocks,)](
+            x2, weight, bias_arg, y, rows, n, k, *args,
+            HAS_BIAS=bias is not None, USE_DOT=rows > 1, BLOCK_M=block_m(rows), BLOCK_N=block_n, **cfg,
+            **launch_options(x.device))
     return y.reshape(*x.shape[:-1], n)
 
 
-def decode_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    """``F.linear`` for a decode step: the kernel for one row (batch-1 decode, x and weight of one
-    dtype), cuBLAS for anything else.
+ROWS_ENV = "SSMSHARD_GEMV_ROWS"
 
-    Why one row only: on an H200 the kernel beat cuBLAS on every batch-1 projection measured,
-    alone and in Llama-3-8B's graphed decode (TPOT 6.37 -> 5.75 ms). With 16 rows it beat cuBLAS
-    alone on most shapes, and Llama-3-8B's batch-16 decode gained (6.87 -> 6.40 ms), but
-    Mamba-2.8B's batch-16 decode lost (2.27 -> 3.43 ms), for a reason not isolated
-    (benchmarks/results/gemv/)."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if rows != 1 or x.dtype != weight.dtype or weight.dim() != 2 or (bias is not None and bias.dtype != x.dtype):
+
+def kernel_max_rows() -> int:
+    """The most rows ``decode_linear`` gives the kernel: ``MAX_ROWS``, or ``SSMSHARD_GEMV_ROWS``
+    (1: batch 1 only, as before the multi-row sweep; 0: cuBLAS always). Read at each call, so a
+    CUDA graph keeps what was chosen when it was captured."""
+    value = os.environ.get(ROWS_ENV, "")
+    if not value:
+        return MAX_ROWS
+    if not value.isdigit():
+        raise ValueError(f"{ROWS_ENV}={value!r}: expected a row count (0 to {MAX_ROWS}; 1 = batch 1 only)")
+    return min(MAX_ROWS, int(value))
+
+
+def decode_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """``F.linear`` for a decode step: the kernel for up to ``kernel_max_rows()`` rows (the decode
+    batch) of the weight's dtype where it was measured faster than cuBLAS (``prefers_cublas``),
+    cuBLAS for anything else."""
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    if (not 1 <= rows <= kernel_max_rows() or x.dtype != weight.dtype or weight.dim() != 2
+            or (bias is not None and bias.dtype != x.dtype) or prefers_cublas(rows, weight.shape[0], k)):
         return F.linear(x, weight, bias)
     return gemv(x, weight, bias)
 
@@ -222,7 +344,7 @@ def decode_linear_group(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
     one launch of ``grouped_gemv`` for one row of the weights' dtype, ``decode_linear``'s
     per-weight path otherwise."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (rows != 1 or not 2 <= len(weights) <= MAX_GROUP
+    if (rows != 1 or kernel_max_rows() < 1 or not 2 <= len(weights) <= MAX_GROUP
             or any(w.dim() != 2 or w.dtype != x.dtype or w.shape[1] != x.shape[-1] for w in weights)):
         return [decode_linear(x, w) for w in weights]
     return grouped_gemv(x, weights)

@@ -122,11 +122,13 @@ SIGNATURES: dict[str, OpSignature] = {s.name: s for s in [
         "decode_linear",
         "(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
         "A linear layer of a decode step, ``F.linear``: x (..., k); weight (n, k); bias (n,). Returns "
-        "(..., n). Its kernel streams the weight for one row (batch-1 decode; the ``decode_gemv`` pass)."),
+        "(..., n). Its kernel streams the weight for up to 64 rows, cuBLAS where that is faster (the "
+        "``decode_gemv`` pass)."),
     OpSignature(
         "decode_linear_group",
         "(Tensor x, Tensor[] weights) -> Tensor[]",
         "Linear layers of a decode step that read the same input, without bias: ``[F.linear(x, w) for w "
-        "in weights]``. x (..., k); each weight (n_i, k). Its kernel runs them in one launch for one row "
+        "in weights]``. x (..., k); each weight (n_i, k). Its kernel runs them in one launch for one row, "
+        "``decode_linear``'s per weight for more "
         "(the ``group_decode_linears`` pass)."),
 ]}

@@ -4,8 +4,9 @@ A decode step multiplies each projection weight by one row per sequence of the b
 is the weight's bytes. Every ``aten.linear`` node of a decode program becomes an
 ``ssmshard.decode_linear`` node, which ``swap_kernels`` (run after) puts on the kernel of
 ``kernels/gemv.py``: at batch 1 it streams the weight in one kernel, where cuBLAS runs a split-K
-GEMV and a reduce kernel (benchmarks/results/gemv/). Larger batches reach cuBLAS through the
-same node.
+GEMV and a reduce kernel (benchmarks/results/gemv/); up to 64 rows it takes the shapes where it
+was measured faster than cuBLAS (``kernels.gemv.prefers_cublas``), and the rest reach cuBLAS
+through the same node.
 
 Mamba's ``dt_proj`` is captured as ``weight @ x`` (``aten.matmul`` with the weight first, x
 ``(b, k, 1)``): it becomes ``decode_linear(x.mT, weight).mT``, two views around the same node.

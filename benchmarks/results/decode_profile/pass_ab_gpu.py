@@ -3,9 +3,12 @@ without it, timed alternately on one GPU in one process.
 
     PYTHONPATH=$PWD python benchmarks/results/decode_profile/pass_ab_gpu.py --out $OUT --models mamba-2.8b --skip fuse_dt_proj
     PYTHONPATH=$PWD python benchmarks/results/decode_profile/pass_ab_gpu.py --out $OUT --models mamba-2.8b --skip fuse_dt_proj decode_gemv
+    PYTHONPATH=$PWD python benchmarks/results/decode_profile/pass_ab_gpu.py --out $OUT --models mamba-2.8b --env SSMSHARD_GEMV_ROWS=1
 
 Variants: the full plan (``all passes``) and, per ``--skip`` name, ``Plan(skip_passes=[name])``,
-each a ``parallelize`` of the same random bf16 model (``decode_gpu.GPU_MODELS``). Per batch each
+each a ``parallelize`` of the same random bf16 model (``decode_gpu.GPU_MODELS``), and per
+``--env KEY=VALUE`` the full plan with that environment variable set while its graph is captured
+(kernel choices read at capture time, such as ``SSMSHARD_GEMV_ROWS``). Per batch each
 variant generates a few greedy tokens from the same prompt (which captures its decode graph;
 the tokens must agree across variants, else the row says so), then rounds of ``--replays``
 replays of each variant's CUDA graph alternate (``dm.decode_graph(b).graph.replay()``: one
@@ -52,9 +55,18 @@ def compare(model, variants, batch, args):
     tokens, graphs = {}, {}
     # Attention families graph their decode over static key/value buffers (as decode_gpu.py runs them).
     options = dict(static_kv=args.prompt + args.new_tokens) if family_of(model).has_attention else {}
-    for name, dm in variants.items():
-        tokens[name] = dm.generate(ids, max_new_tokens=args.new_tokens, pad_token_id=PAD, **options)
-        graphs[name] = dm.decode_graph(batch)
+    for name, (dm, env) in variants.items():
+        saved = {key: os.environ.get(key) for key in env}
+        os.environ.update(env)
+        try:
+            tokens[name] = dm.generate(ids, max_new_tokens=args.new_tokens, pad_token_id=PAD, **options)
+            graphs[name] = dm.decode_graph(batch)
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
         if graphs[name] is None:
             raise SystemExit(f"{name}: batch {batch} decoded without a CUDA graph")
     times = {name: [] for name in variants}
@@ -70,7 +82,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--models", nargs="+", default=["mamba-2.8b"], choices=sorted(GPU_MODELS))
-    parser.add_argument("--skip", nargs="+", required=True, choices=OPTIONAL_PASSES, help="one variant per pass")
+    parser.add_argument("--skip", nargs="*", default=[], choices=OPTIONAL_PASSES, help="one variant per pass")
+    parser.add_argument("--env", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="one variant per setting: the full plan, captured with KEY=VALUE in the environment")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 16, 64])
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=8)
@@ -84,9 +98,12 @@ def main(argv=None):
     with open(os.path.join(args.out, "pass_ab.jsonl"), "a") as rows:
         for model_name in args.models:
             model = build_random_model(GPU_MODELS[model_name](), torch.device("cuda"), torch.bfloat16, seed=args.seed)
-            variants = {"all passes": ssmshard.parallelize(model, ssmshard.Plan(tp=1))}
-            variants.update({f"without {name}": ssmshard.parallelize(model, ssmshard.Plan(tp=1, skip_passes=[name]))
+            variants = {"all passes": (ssmshard.parallelize(model, ssmshard.Plan(tp=1)), {})}
+            variants.update({f"without {name}": (ssmshard.parallelize(model, ssmshard.Plan(tp=1, skip_passes=[name])), {})
                              for name in args.skip})
+            for setting in args.env:
+                key, _, value = setting.partition("=")
+                variants[setting] = (ssmshard.parallelize(model, ssmshard.Plan(tp=1)), {key: value})
             for batch in args.batches:
                 results = compare(model, variants, batch, args)
                 base = results["all passes"]["step_ms"]
