@@ -342,7 +342,7 @@ def repeat_layers(program: Program, total_layers: int) -> Program:
 
     _rebuild_inputs(program, graph, spec_of, new_inputs)
     program.state_specs = state_specs
-    gm.recompile()
+    program.code_stale = True  # the capture pipeline that follows regenerates the code once
     return program
 
 

@@ -107,6 +107,8 @@ class Program:
         # Filled by the sharding passes (passes/shard): rank, tp, group, output placements;
         # the forward collectives as named sync points, and the same as report rows.
         self.tagged = False  # set by the tag pass: every call_function node carries tags
+        # The graph changed since its Python code was generated (passes.manager.regenerate_code).
+        self.code_stale = False
         self.shard: dict | None = None
         self.sync_points: list = []
         self.collectives: list[dict] = []

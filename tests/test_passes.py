@@ -223,7 +223,7 @@ def test_changed_only_propagation_writes_what_a_full_one_does(family, monkeypatc
 
 def test_the_code_is_regenerated_after_a_pass_that_changes_the_graph_only(program, scoped_pass, monkeypatch, fresh_seed):
     """run_pipeline regenerates the module's Python code when a pass changed a node (here: one
-    argument of one node), and not after a pass that changed nothing."""
+    argument of one node), once per pipeline, and not after a pass that changed nothing."""
     recompiles = []
     real = torch.fx.GraphModule.recompile
     monkeypatch.setattr(torch.fx.GraphModule, "recompile", lambda self: (recompiles.append(self), real(self))[1])
@@ -243,6 +243,13 @@ def test_the_code_is_regenerated_after_a_pass_that_changes_the_graph_only(progra
     scoped_pass("zero_the_logits", zero_the_logits)
     ids = torch.randint(0, 256, (2, 5))
     assert program(ids).abs().sum() > 0
-    passes.run_pipeline(program, ["zero_the_logits"])
-    assert program.graph_module in recompiles
+    # Two changing passes in one pipeline: the code is regenerated once, at the end.
+    passes.run_pipeline(program, ["zero_the_logits", "looks_only", "zero_the_logits"])
+    assert recompiles.count(program.graph_module) == 1
     assert program(ids).abs().sum() == 0
+    # A caller that runs several pipelines (shard_program) asks for it once, after the last.
+    recompiles.clear()
+    passes.run_pipeline(program, ["zero_the_logits"], recompile=False)
+    assert recompiles == [] and program.code_stale
+    passes.manager.regenerate_code(program)
+    assert recompiles == [program.graph_module] and not program.code_stale

@@ -34,7 +34,6 @@ def drop_tensor_asserts(program, ctx):
             for node in list(module.graph.nodes):
                 if node.op == "call_function" and node.target is aten._assert_tensor_metadata.default:
                     module.graph.erase_node(node)
-            module.recompile()
     return program
 
 

@@ -82,6 +82,5 @@ def _eligible(program) -> bool:
 def causal_attention(program, ctx):
     """Forward programs: every attention call over the causal mask, unmasked (module docstring)."""
     if program.mode == "forward" and _eligible(program):
-        if rewrite_causal(program.graph):
-            program.graph_module.recompile()
+        rewrite_causal(program.graph)
     return program

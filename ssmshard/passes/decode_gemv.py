@@ -95,6 +95,5 @@ def decode_gemv(program, ctx):
             continue
         if done:
             report.append(node.name)
-    program.graph_module.recompile()
     program.gemv_report = report
     return program

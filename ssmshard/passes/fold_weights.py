@@ -127,6 +127,5 @@ def fold_weights(program, ctx):
     for node in reversed(list(graph.nodes)):
         if node in folded and not node.users:
             graph.erase_node(node)
-    program.graph_module.recompile()
     program.folded = FoldedWeights(torch.fx.GraphModule(program.graph_module, sub), sources, names)
     return program

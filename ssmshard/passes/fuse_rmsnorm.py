@@ -169,6 +169,5 @@ def fuse_rmsnorm(program, ctx):
         entry = {"node": rsqrt.name, "module": tags.get("module"), "call_site": tags.get("call_site")}
         entry["residual_add"] = _fuse(graph, match)
         report.append(entry)
-    program.graph_module.recompile()
     program.norm_fusion_report = report
     return program

@@ -163,7 +163,6 @@ def inplace_decode_states(program, ctx):
         rewritten.append(index)
         if _write_in_op(value, placeholder):
             written_by_op.append(index)
-    program.graph_module.recompile()
     program.states_in_place = rewritten
     program.states_written_by_op = written_by_op
     return program

@@ -121,18 +121,18 @@ def _graph_state(graph_module) -> list:
             for module in graph_module.modules() if isinstance(module, torch.fx.GraphModule)]
 
 
-def _same_graph(before: list, after: list) -> bool:
-    """Whether no pass touched the graphs: ``recompile`` regenerates a module's Python code, which
-    for a 64-layer program costs more than many passes do (docs/startup.md)."""
-    if len(before) != len(after):
-        return False
-    for (module_a, nodes_a), (module_b, nodes_b) in zip(before, after):
-        if module_a is not module_b or len(nodes_a) != len(nodes_b):
-            return False
-        for a, b in zip(nodes_a, nodes_b):
-            if any(x is not y for x, y in zip(a, b)):
-                return False
-    return True
+def _changed_modules(before: list, after: list) -> list:
+    """The graph modules of ``after`` whose nodes a pass touched (new modules included):
+    ``recompile`` regenerates a module's Python code, which for a 64-layer program costs more than
+    many passes do (docs/startup.md), so only these are regenerated."""
+    old = {id(module): nodes for module, nodes in before}
+    changed = []
+    for module, nodes in after:
+        previous = old.get(id(module))
+        if (previous is None or len(previous) != len(nodes)
+                or any(x is not y for a, b in zip(previous, nodes) for x, y in zip(a, b))):
+            changed.append(module)
+    return changed
 
 
 def _op_diff(before: Counter, after: Counter) -> dict[str, int]:
@@ -140,8 +140,13 @@ def _op_diff(before: Counter, after: Counter) -> dict[str, int]:
 
 
 def run_pipeline(program, steps, *, skip: Iterable[str] = (), debug_dir: str | None = None,
-                 verify_each: bool = True, shared: dict | None = None):
-    """Run passes in order on ``program``; verify after each; record op-count diffs."""
+                 verify_each: bool = True, shared: dict | None = None, recompile: bool = True):
+    """Run passes in order on ``program``; verify after each; record op-count diffs.
+
+    Passes edit graphs; the Python code of a graph module a pass changed is regenerated once,
+    at the end (nested graphs at once: the verifier's propagation calls them). With
+    ``recompile=False`` the top-level module's code is left stale and the program says so
+    (``program.code_stale``), for a caller that runs several pipelines and regenerates once."""
     skip = frozenset(skip)
     debug_dir = debug_dir or os.environ.get("SSMSHARD_DUMP_DIR")
     shared = {} if shared is None else shared
@@ -159,8 +164,12 @@ def run_pipeline(program, steps, *, skip: Iterable[str] = (), debug_dir: str | N
         if result is None:
             raise PassVerificationError(f"pass {name!r} returned None; a pass must return the program")
         program = result
-        if not _same_graph(graph_before, _graph_state(program.graph_module)):
-            program.graph_module.recompile()
+        changed = _changed_modules(graph_before, _graph_state(program.graph_module))
+        for module in changed:
+            if module is program.graph_module:
+                program.code_stale = True
+            else:
+                module.recompile()
         seconds = time.perf_counter() - started
         if verify_each:
             verify(program, pass_name=name, propagate=name not in _NO_REPROPAGATION,
@@ -170,7 +179,16 @@ def run_pipeline(program, steps, *, skip: Iterable[str] = (), debug_dir: str | N
                                 "op_diff": _op_diff(before, after)})
         if debug_dir:
             _dump(program, debug_dir, f"{index:02d}_{name}_after.txt")
+    if recompile:
+        regenerate_code(program)
     return program
+
+
+def regenerate_code(program) -> None:
+    """Regenerate the program's top-level Python code if a pipeline left it stale."""
+    if program.code_stale:
+        program.graph_module.recompile()
+        program.code_stale = False
 
 
 # What capture runs on every program it makes (a sibling capture included): not replayed.

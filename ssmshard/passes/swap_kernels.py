@@ -167,7 +167,6 @@ def swap_kernels(program, ctx):
             kernel = "inductor" if targets is not None and node.target in LEFT_TO_INDUCTOR else "triton"
             node.target = adapter if targets is None else targets[node.target]
         report.append({"node": node.name, "op": name, "kernel": kernel, "why": why})
-    program.graph_module.recompile()
     program.kernel_report = report
     slow = [r for r in report if r["kernel"] is None and mode == "triton"]
     if slow:

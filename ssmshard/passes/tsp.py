@@ -365,7 +365,6 @@ def tsp(program, ctx):
     rewriter.sequence_ops()
     rewriter.gather_outputs()
     program.graph.eliminate_dead_code()
-    program.graph_module.recompile()
     rewriter.record_placements()
     outputs = ([SeqShard(1)] if rewriter.local_logits and program.mode == "forward"
                else [REPLICATE] * (1 + len(program.state_specs) if program.mode == "prefill" else 1))

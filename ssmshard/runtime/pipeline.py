@@ -11,6 +11,7 @@ import time
 
 from ..capture import STATEFUL_MODES
 from ..passes import run_pipeline
+from ..passes.manager import regenerate_code
 from ..passes.shard import ShardingError
 from ..placement import same_data
 
@@ -50,8 +51,9 @@ def shard_program(program, model, plan, *, rank: int, group: str, kernels: str =
     times, shared = [], {}
     for step in steps:
         started = time.perf_counter()
-        program = run_pipeline(program, [step], shared=shared)
+        program = run_pipeline(program, [step], shared=shared, recompile=False)
         times.append(f"{program.history[-1]['pass']} {time.perf_counter() - started:.1f}s")
+    regenerate_code(program)  # once, not after every pass that changed the graph
     log.info("%s: %s", what, ", ".join(times))
     if plan.head_permutations and program.shard is not None:  # applied to the weights on their way to the rank; recorded for reports
         program.shard["head_permutations"] = sorted(plan.head_permutations)
