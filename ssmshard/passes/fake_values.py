@@ -31,6 +31,9 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 # node.meta key: (what the node computed from, the value it computed) at its last propagation.
 _PROPAGATED = "ssmshard_propagated"
+# graph.__dict__ key: alike key -> the value ``shard.context.new_node`` computed for it during one
+# pass (run_pipeline drops it after each pass; the verifier then recomputes every new node).
+ALIKE_VALUES = "_ssmshard_alike_values"
 
 
 def propagate_fake_values(gm: torch.fx.GraphModule, vals: list) -> None:
@@ -66,12 +69,12 @@ class _ChangedOnly(FakeTensorProp):
                 and _same_inputs(previous[0], inputs) and not self._simplifiable(previous[1])):
             return previous[1]
         old = n.meta.get("val")
-        key = None if self.full else _alike_key(inputs)
+        key = None if self.full else alike_key(inputs)
         if key is not None and key in self.alike:
             n.meta["val"] = self.alike[key]
         else:
             super().run_node(n)
-            if key is not None and _free_symbols(n.meta.get("val")) <= _free_symbols(inputs[1]):
+            if key is not None and free_symbols(n.meta.get("val")) <= free_symbols(inputs[1]):
                 self.alike[key] = n.meta.get("val")
         new = n.meta.get("val")
         if old is not None and new is not None and _same_metadata(old, new):
@@ -92,7 +95,7 @@ class _ChangedOnly(FakeTensorProp):
         if shape_env is None or not shape_env.replacements:
             return False
         replaced = shape_env.replacements
-        return any(symbol in replaced for symbol in _free_symbols(value))
+        return any(symbol in replaced for symbol in free_symbols(value))
 
 
 def linear_value(x, weight, bias=None):
@@ -108,9 +111,9 @@ def linear_value(x, weight, bias=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-def _free_symbols(value) -> set:
+def free_symbols(value) -> set:
     if isinstance(value, (tuple, list)):
-        return set().union(*(_free_symbols(v) for v in value)) if value else set()
+        return set().union(*(free_symbols(v) for v in value)) if value else set()
     if isinstance(value, torch.Tensor):
         sizes = (*value.shape, *value.stride(), value.storage_offset())
         return set().union(*(s.node.expr.free_symbols for s in sizes if isinstance(s, torch.SymInt)))
@@ -119,7 +122,7 @@ def _free_symbols(value) -> set:
     return set()
 
 
-def _alike_key(inputs):
+def alike_key(inputs):
     """A hashable stand-in for ``(op, input leaves)`` that two nodes share exactly when the op
     and every argument agree, tensors by metadata; None where no such key is safe."""
     target, leaves = inputs

@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterable
 
 import torch.fx
 
-from .fake_values import propagate_fake_values
+from .fake_values import ALIKE_VALUES, propagate_fake_values
 
 PassFn = Callable[["Program", "PassContext"], "Program"]  # noqa: F821
 _REGISTRY: dict[str, PassFn] = {}
@@ -164,6 +164,7 @@ def run_pipeline(program, steps, *, skip: Iterable[str] = (), debug_dir: str | N
         if result is None:
             raise PassVerificationError(f"pass {name!r} returned None; a pass must return the program")
         program = result
+        program.graph.__dict__.pop(ALIKE_VALUES, None)
         changed = _changed_modules(graph_before, _graph_state(program.graph_module))
         for module in changed:
             if module is program.graph_module:

@@ -20,6 +20,7 @@ import torch
 
 from ...placement import Partial, Placement, Replicate, Shard, SeqShard
 from ...program import source_line
+from ..fake_values import ALIKE_VALUES, alike_key, free_symbols
 
 
 class ShardingError(RuntimeError):
@@ -107,10 +108,22 @@ def _fake_value(node):
         return a.meta.get("val") if isinstance(a, torch.fx.Node) else a
     args = torch.fx.node.map_arg(node.args, value)
     kwargs = torch.fx.node.map_arg(node.kwargs, value)
+    # A pass rewrites every layer alike: nodes with the op and arguments of an earlier one (tensors
+    # by metadata, fake_values.alike_key) take its value instead of running the op on fake inputs
+    # again (0.84 s for 897 nodes of a 64-layer Llama's programs on a CPU).
+    leaves = []
+    torch.fx.node.map_aggregate((args, kwargs), leaves.append)
+    key = alike_key((node.target, leaves))
+    cache = node.graph.__dict__.setdefault(ALIKE_VALUES, {})
+    if key is not None and key in cache:
+        return cache[key]
     try:
-        return node.target(*args, **kwargs)
+        val = node.target(*args, **kwargs)
     except Exception:  # noqa: BLE001 - the verifier re-propagates every value after the pass
         return None
+    if key is not None and free_symbols(val) <= free_symbols(leaves):
+        cache[key] = val
+    return val
 
 
 def is_sharded(placement) -> bool:
