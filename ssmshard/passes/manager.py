@@ -164,7 +164,9 @@ def run_pipeline(program, steps, *, skip: Iterable[str] = (), debug_dir: str | N
         if result is None:
             raise PassVerificationError(f"pass {name!r} returned None; a pass must return the program")
         program = result
-        program.graph.__dict__.pop(ALIKE_VALUES, None)
+        for module in program.graph_module.modules():
+            if isinstance(module, torch.fx.GraphModule):
+                module.graph.__dict__.pop(ALIKE_VALUES, None)
         changed = _changed_modules(graph_before, _graph_state(program.graph_module))
         for module in changed:
             if module is program.graph_module:
