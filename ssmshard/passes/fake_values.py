@@ -54,7 +54,7 @@ class _ChangedOnly(FakeTensorProp):
     def __init__(self, gm, mode, *, full: bool):
         super().__init__(gm, mode)
         self.full = full
-        self.alike: dict = {}  # (op, inputs' metadata and arguments) -> the value computed for them
+        self.alike: dict = {}  # (op, inputs' metadata and arguments) -> (the value computed for them, its symbols)
 
     def run_node(self, n: torch.fx.Node) -> Any:
         if n.op == "placeholder":
@@ -66,20 +66,22 @@ class _ChangedOnly(FakeTensorProp):
         inputs = (n.target, _leaves((n.args, n.kwargs), self.env))
         previous = n.meta.get(_PROPAGATED)
         if (not self.full and previous is not None and previous[1] is n.meta.get("val")
-                and _same_inputs(previous[0], inputs) and not self._simplifiable(previous[1])):
+                and _same_inputs(previous[0], inputs) and not self._simplifiable(previous[2])):
             return previous[1]
         old = n.meta.get("val")
         key = None if self.full else alike_key(inputs)
         if key is not None and key in self.alike:
-            n.meta["val"] = self.alike[key]
+            n.meta["val"], symbols = self.alike[key]
         else:
             super().run_node(n)
-            if key is not None and free_symbols(n.meta.get("val")) <= free_symbols(inputs[1]):
-                self.alike[key] = n.meta.get("val")
+            symbols = free_symbols(n.meta.get("val"))
+            if key is not None and symbols <= free_symbols(inputs[1]):
+                self.alike[key] = (n.meta.get("val"), symbols)
         new = n.meta.get("val")
         if old is not None and new is not None and _same_metadata(old, new):
-            n.meta["val"] = new = old  # unchanged: what reads it need not be recomputed
-        n.meta[_PROPAGATED] = (inputs, new)
+            n.meta["val"] = new = old  # unchanged: what reads it need not be recomputed (same symbols)
+        # Its symbols too: every later propagation asks whether one was replaced (_simplifiable).
+        n.meta[_PROPAGATED] = (inputs, new, symbols)
         return new
 
     def call_function(self, target, args, kwargs):
@@ -87,15 +89,15 @@ class _ChangedOnly(FakeTensorProp):
             return linear_value(*args, **kwargs)
         return super().call_function(target, args, kwargs)
 
-    def _simplifiable(self, value) -> bool:
-        """Whether ``value`` names a symbol the shape environment has since replaced (export
-        may trace two lengths as two symbols and learn later that they are one): a full
+    def _simplifiable(self, symbols: set) -> bool:
+        """Whether a value naming ``symbols`` names one the shape environment has since replaced
+        (export may trace two lengths as two symbols and learn later that they are one): a full
         propagation would write the simpler form, so recompute."""
         shape_env = self._mode.shape_env
         if shape_env is None or not shape_env.replacements:
             return False
         replaced = shape_env.replacements
-        return any(symbol in replaced for symbol in free_symbols(value))
+        return any(symbol in replaced for symbol in symbols)
 
 
 def linear_value(x, weight, bias=None):
