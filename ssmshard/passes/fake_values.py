@@ -63,7 +63,7 @@ class _ChangedOnly(FakeTensorProp):
             return torch.fx.Interpreter.run_node(self, n)
         if n.op != "call_function":
             return super().run_node(n)
-        inputs = (n.target, _leaves((n.args, n.kwargs), self.env))
+        inputs = (n.target, leaves((n.args, n.kwargs), self.env))
         previous = n.meta.get(_PROPAGATED)
         if (not self.full and previous is not None and previous[1] is n.meta.get("val")
                 and _same_inputs(previous[0], inputs) and not self._simplifiable(previous[2])):
@@ -127,9 +127,9 @@ def free_symbols(value) -> set:
 def alike_key(inputs):
     """A hashable stand-in for ``(op, input leaves)`` that two nodes share exactly when the op
     and every argument agree, tensors by metadata; None where no such key is safe."""
-    target, leaves = inputs
+    target, values = inputs
     key = [target]
-    for leaf in leaves:
+    for leaf in values:
         if isinstance(leaf, FakeTensor):
             if leaf.constant is not None:
                 return None  # carries data that a value may depend on
@@ -152,7 +152,7 @@ def _exprs(sizes) -> tuple:
     return tuple(s.node.expr if isinstance(s, torch.SymInt) else s for s in sizes)
 
 
-def _leaves(args, env) -> list:
+def leaves(args, env) -> list:
     """``args`` flattened, each node replaced by its current value."""
     out = []
     map_aggregate(args, lambda a: out.append(env[a] if isinstance(a, torch.fx.Node) else a))

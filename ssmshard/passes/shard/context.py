@@ -20,7 +20,7 @@ import torch
 
 from ...placement import Partial, Placement, Replicate, Shard, SeqShard
 from ...program import source_line
-from ..fake_values import ALIKE_VALUES, alike_key, free_symbols
+from ..fake_values import ALIKE_VALUES, alike_key, free_symbols, leaves
 
 
 class ShardingError(RuntimeError):
@@ -111,9 +111,8 @@ def _fake_value(node):
     # A pass rewrites every layer alike: nodes with the op and arguments of an earlier one (tensors
     # by metadata, fake_values.alike_key) take its value instead of running the op on fake inputs
     # again (0.84 s for 897 nodes of a 64-layer Llama's programs on a CPU).
-    leaves = []
-    torch.fx.node.map_aggregate((args, kwargs), leaves.append)
-    key = alike_key((node.target, leaves))
+    flat = leaves((args, kwargs), {})
+    key = alike_key((node.target, flat))
     cache = node.graph.__dict__.setdefault(ALIKE_VALUES, {})
     if key is not None and key in cache:
         return cache[key]
@@ -121,7 +120,7 @@ def _fake_value(node):
         val = node.target(*args, **kwargs)
     except Exception:  # noqa: BLE001 - the verifier re-propagates every value after the pass
         return None
-    if key is not None and free_symbols(val) <= free_symbols(leaves):
+    if key is not None and free_symbols(val) <= free_symbols(flat):
         cache[key] = val
     return val
 
