@@ -25,8 +25,8 @@ from .token_layout import ORDERS as TSP_ORDERS
 
 
 # Passes a plan runs only to make its programs faster; ``Plan(skip_passes=[...])`` leaves them out.
-OPTIONAL_PASSES = ("fuse_rmsnorm", "decode_gemv", "fuse_dt_proj", "group_decode_linears", "inplace_decode_states",
-                   "fold_weights")
+OPTIONAL_PASSES = ("fuse_rmsnorm", "decode_gemv", "fuse_dt_proj", "group_decode_linears", "fuse_rotary",
+                   "fold_cache_positions", "inplace_decode_states", "fold_weights")
 # How a linear layer under Plan(tsp=D) reads a sharded weight (docs/tsp.md).
 TSP_WEIGHT_SCHEDULES = ("gather", "ring")
 TSP_LOGITS = ("gathered", "local")
@@ -111,7 +111,10 @@ class Plan:
     ``fuse_dt_proj`` (Mamba-1's ``dt_proj`` computed inside the decode step's state update kernel
     instead of as a kernel of its own; under the Triton kernels), ``group_decode_linears`` (a decode
     step's linear layers that read the same input, such as q/k/v and gate/up, as one kernel launch
-    at batch 1; under the Triton kernels), ``inplace_decode_states`` (the decode program
+    at batch 1; under the Triton kernels), ``fuse_rotary`` (a decode step's rotary embedding of q and
+    k, ten small ops a layer, as one kernel launch; under the Triton kernels), ``fold_cache_positions``
+    (a static-K/V decode step's per-layer slot arithmetic, four small kernels a layer, read from its
+    cache-position input; under the Triton kernels), ``inplace_decode_states`` (the decode program
     writes each new state into the state tensor it was given and returns that tensor: the states
     passed in are overwritten) and ``fold_weights`` (weight-only subgraphs such as
     ``-exp(A_log.float())`` and casts of weights computed once per binding of the weights instead
@@ -239,7 +242,9 @@ class Plan:
         that does not train: each RMSNorm and the residual add before it as one node), ``decode_gemv``
         (decode programs: linear layers on the skinny-matmul op), ``fuse_dt_proj`` (decode programs:
         Mamba-1's dt projection inside the state update), ``group_decode_linears`` (decode programs:
-        linear layers reading one input as one op) and ``swap_kernels`` (always last: it only retargets SSM ops). ``runtime.pipeline.shard_program`` runs them; ``ssmshard inspect``
+        linear layers reading one input as one op), ``fuse_rotary`` (decode programs: q and k's rotary
+        embedding as one op), ``fold_cache_positions`` (decode programs: the static-K/V slot arithmetic
+        folded into views of the cache position) and ``swap_kernels`` (always last: it only retargets SSM ops). ``runtime.pipeline.shard_program`` runs them; ``ssmshard inspect``
         and the runtime both go through it. Under ``tsp``, forward programs are the ``tsp`` pass's;
         ``sequence_sharded=True`` asks for it on a prefill program too (the TSP prefill, whose
         states feed the tensor-parallel decode program: docs/tsp.md)."""
@@ -267,6 +272,8 @@ class Plan:
                 steps.append(("decode_gemv", {}))
                 steps.append(("fuse_dt_proj", {}))
                 steps.append(("group_decode_linears", {}))
+                steps.append(("fuse_rotary", {}))
+                steps.append(("fold_cache_positions", {}))
             steps.append(("swap_kernels", {"kernels": "triton", "compile": self.compile}))
         steps += self.inference_steps(mode)
         return [step for step in steps if (step if isinstance(step, str) else step[0]) not in self.skip_passes]

@@ -78,7 +78,8 @@ def test_pipeline_fuses_inference_programs_only_under_triton():
     decode = _step_names(plan, "decode", "triton")
     # then the decode GEMVs and the kernels, then the inference passes
     between = decode[decode.index("fuse_rmsnorm") + 1:decode.index("swap_kernels") + 1]
-    assert between == ["decode_gemv", "fuse_dt_proj", "group_decode_linears", "swap_kernels"]
+    assert between == ["decode_gemv", "fuse_dt_proj", "group_decode_linears", "fuse_rotary", "fold_cache_positions",
+                       "swap_kernels"]
     assert "fuse_rmsnorm" in _step_names(plan, "prefill", "triton")
     # Training forward programs keep torch's norms (the fused kernel has no backward).
     assert "fuse_rmsnorm" not in _step_names(plan, "forward", "triton") + _step_names(plan, "decode", "reference")

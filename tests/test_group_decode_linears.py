@@ -43,12 +43,40 @@ def test_grouped_gemv_in_bfloat16_with_the_default_tiling(fresh_seed):
         assert rel_err(out.double(), x.double() @ weight.double().T) < 2 ** -7, fresh_seed
 
 
-def test_more_rows_or_mixed_dtypes_take_the_per_weight_path():
-    weights = [torch.randn(7, 40), torch.randn(9, 40)]
-    x = torch.randn(3, 1, 40)
-    x, *weights = to_device(x, *weights)
-    per_weight = [kgemv.decode_linear(x, w) for w in weights]
-    assert all(torch.equal(out, one) for out, one in zip(kgemv.decode_linear_group(x, weights), per_weight))
+@pytest.mark.parametrize("rows", [3, 16, 40])
+def test_grouped_gemv_of_several_rows_equals_float64_products(rows, fresh_seed):
+    """The tensor-core path (rows padded to 16 or a power of two) over a group: q/k/v-like widths."""
+    k = 200
+    x = torch.randn(rows, 1, k)
+    weights = [torch.randn(n, k) for n in (37, 5, 19)]
+    config = dict(BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=1)
+    outs = kgemv.grouped_gemv(to_device(x)[0], to_device(*weights), config=config)
+    for out, weight in zip(to_cpu(*outs), weights):
+        assert out.shape == (rows, 1, weight.shape[0])
+        assert rel_err(out.double(), x.double() @ weight.double().T) < 1e-6, (rows, fresh_seed)
+
+
+def test_wide_groups_few_rows_or_the_row_limit_take_the_per_weight_path(monkeypatch):
+    x = torch.randn(kgemv.GROUPED_MIN_ROWS, 1, 40)
+    narrow = [torch.randn(7, 40), torch.randn(9, 40)]
+    wide = [torch.randn(kgemv.MAX_GROUPED_FEATURES, 40), torch.randn(9, 40)]
+    calls = []
+    grouped = kgemv.grouped_gemv
+    monkeypatch.setattr(kgemv, "grouped_gemv", lambda *a, **kw: calls.append(1) or grouped(*a, **kw))
+    for weights, launches in ((narrow, 1), (wide, 0)):
+        x_dev, *weights = to_device(x, *weights)
+        before = len(calls)
+        outs = kgemv.decode_linear_group(x_dev, weights)
+        assert len(calls) - before == launches
+        for out, w in zip(outs, weights):
+            assert rel_err(out.double().cpu(), x.double() @ w.double().cpu().T) < 1e-6
+    monkeypatch.setenv(kgemv.GROUP_ROWS_ENV, "1")  # grouped launches at batch 1 only
+    before = len(calls)
+    kgemv.decode_linear_group(*to_device(x), to_device(*narrow))
+    assert len(calls) == before
+    monkeypatch.delenv(kgemv.GROUP_ROWS_ENV)
+    kgemv.decode_linear_group(*to_device(x[:kgemv.GROUPED_MIN_ROWS - 1]), to_device(*narrow))  # too few rows
+    assert len(calls) == before
     with pytest.raises(ValueError, match="2 to 4 weights"):
         kgemv.grouped_gemv(x[:1], weights * 3)
     with pytest.raises(ValueError, match="2 to 4 weights"):
@@ -111,7 +139,7 @@ def test_plan_runs_it_before_the_kernel_swap_and_skip_passes_leaves_it_out():
                 for s in plan.pipeline("decode", placements={}, rank=0, group="g", kernels="triton")]
 
     decode = steps(ssmshard.Plan())
-    assert decode.index("decode_gemv") < decode.index("group_decode_linears") == decode.index("swap_kernels") - 1
+    assert decode.index("decode_gemv") < decode.index("group_decode_linears") < decode.index("swap_kernels")
     assert "group_decode_linears" not in steps(ssmshard.Plan(skip_passes=["group_decode_linears"]))
 
 

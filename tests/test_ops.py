@@ -469,6 +469,9 @@ def _export_cases():
         "add_rms_norm": [torch.randn(2, 3, 5), torch.randn(2, 3, 5), torch.randn(5), 1e-5, torch.float32],
         "decode_linear": [torch.randn(2, 1, 5), torch.randn(3, 5), torch.randn(3)],
         "decode_linear_group": [torch.randn(2, 1, 5), [torch.randn(3, 5), torch.randn(4, 5)]],
+        # q and k as attention hands them over: (b, l, h, p) viewed as (b, h, l, p).
+        "rotary": [[torch.randn(2, 1, 4, 8).transpose(1, 2), torch.randn(2, 1, 2, 8).transpose(1, 2)],
+                   torch.randn(2, 1, 1, 8), torch.randn(2, 1, 1, 8)],
     }
 
 
@@ -526,7 +529,7 @@ def test_fake_matches_real(name):
         assert (f.shape, f.dtype, f.device) == (r.shape, r.dtype, r.device)
 
 
-INFERENCE_ONLY = ("decode_linear_group",)  # registered without autograd (ops/ssm.py)
+INFERENCE_ONLY = ("decode_linear_group", "rotary")  # registered without autograd (ops/ssm.py)
 
 
 def test_a_backward_through_an_inference_only_op_is_an_error():

@@ -19,7 +19,7 @@ Hopper and later each program loads its first weight tile before waiting for the
 wrote x (programmatic dependent launch, ``kernels/pdl.py``), so the weight stream starts while
 that kernel finishes. ``decode_linear``, the kernel of the ``ssmshard.decode_linear`` op, uses
 it where it was measured faster than cuBLAS (``prefers_cublas``); benchmarks/bench_gemv.py
-measures both. ``grouped_gemv`` runs one row against up to ``MAX_GROUP`` weights of the same k
+measures both. ``grouped_gemv`` runs the rows against up to ``MAX_GROUP`` weights of the same k
 (q/k/v, gate/up) in one launch, each program computing output features of one of them: the
 kernel of ``ssmshard.decode_linear_group``.
 """
@@ -158,31 +158,28 @@ def _split_k_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
 
 
 @triton.jit
-def _row_block(x_ptr, w_ptr, y_ptr, pid, N, K, sx_k, sw_n, sw_k,
-               PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One program of a one-row product without bias, y contiguous."""
-    _gemv_block(x_ptr, w_ptr, w_ptr, y_ptr, pid, 1, N, K, 0, sx_k, sw_n, sw_k, 0, 1,
-                False, False, PDL, 1, BLOCK_N, BLOCK_K)
-
-
-@triton.jit
-def _grouped_row_kernel(x_ptr, w0, w1, w2, w3, y0, y1, y2, y3, n0, n1, n2, n3, end0, end1, end2, K, sx_k,
-                        sw0_n, sw0_k, sw1_n, sw1_k, sw2_n, sw2_k, sw3_n, sw3_k,
-                        GROUP: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One row times up to four weights of the same k: programs ``[end(i-1), end(i))`` compute
-    weight i's output features, so one launch serves them all."""
+def _grouped_kernel(x_ptr, w0, w1, w2, w3, y0, y1, y2, y3, n0, n1, n2, n3, end0, end1, end2, M, K, sx_m, sx_k,
+                    sw0_n, sw0_k, sw1_n, sw1_k, sw2_n, sw2_k, sw3_n, sw3_k,
+                    GROUP: tl.constexpr, USE_DOT: tl.constexpr, PDL: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows of x times up to four weights of the same k: programs ``[end(i-1), end(i))`` compute
+    weight i's output features, so one launch serves them all. Output i is contiguous (rows, n_i)."""
     pid = tl.program_id(0)
     if pid < end0:
-        _row_block(x_ptr, w0, y0, pid, n0, K, sx_k, sw0_n, sw0_k, PDL, BLOCK_N, BLOCK_K)
+        _gemv_block(x_ptr, w0, w0, y0, pid, M, n0, K, sx_m, sx_k, sw0_n, sw0_k, n0, 1,
+                    False, USE_DOT, PDL, BLOCK_M, BLOCK_N, BLOCK_K)
     elif pid < end1:
-        _row_block(x_ptr, w1, y1, pid - end0, n1, K, sx_k, sw1_n, sw1_k, PDL, BLOCK_N, BLOCK_K)
+        _gemv_block(x_ptr, w1, w1, y1, pid - end0, M, n1, K, sx_m, sx_k, sw1_n, sw1_k, n1, 1,
+                    False, USE_DOT, PDL, BLOCK_M, BLOCK_N, BLOCK_K)
     else:
         if GROUP > 2:
             if pid < end2:
-                _row_block(x_ptr, w2, y2, pid - end1, n2, K, sx_k, sw2_n, sw2_k, PDL, BLOCK_N, BLOCK_K)
+                _gemv_block(x_ptr, w2, w2, y2, pid - end1, M, n2, K, sx_m, sx_k, sw2_n, sw2_k, n2, 1,
+                            False, USE_DOT, PDL, BLOCK_M, BLOCK_N, BLOCK_K)
             else:
                 if GROUP > 3:
-                    _row_block(x_ptr, w3, y3, pid - end2, n3, K, sx_k, sw3_n, sw3_k, PDL, BLOCK_N, BLOCK_K)
+                    _gemv_block(x_ptr, w3, w3, y3, pid - end2, M, n3, K, sx_m, sx_k, sw3_n, sw3_k, n3, 1,
+                                False, USE_DOT, PDL, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 def default_config(rows: int, n: int, k: int) -> dict:
@@ -312,39 +309,77 @@ def decode_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> T
 
 
 MAX_GROUP = 4  # weights one grouped launch serves
+GROUP_ROWS_ENV = "SSMSHARD_GROUP_ROWS"
+# Grouped launches above one row only from GROUPED_MIN_ROWS rows and where the group's output
+# features sum to at most MAX_GROUPED_FEATURES: an attention block's q/k/v (Llama-3-8B: 6144),
+# not an MLP's gate/up (28672), whose large weights cuBLAS streams near the copy bandwidth one by
+# one. In a Llama-3-8B-sized graphed step on an H200 the grouped q/k/v took the step from 6.32 to
+# 6.24 ms at 64 rows, and was slower at 4 and 16 rows (5.87 against 5.59 ms, 5.88 against 5.69),
+# where the per-weight path splits k (benchmarks/results/gemv/, "Grouped launches of several rows").
+GROUPED_MIN_ROWS = 17
+MAX_GROUPED_FEATURES = 8192
+
+
+def group_max_rows() -> int:
+    """The most rows ``decode_linear_group`` runs as one grouped launch: ``kernel_max_rows()``,
+    or fewer with ``SSMSHARD_GROUP_ROWS`` (1: batch 1 only, as before grouped launches took
+    several rows). Read at each call, like ``kernel_max_rows``."""
+    value = os.environ.get(GROUP_ROWS_ENV, "")
+    if value and not value.isdigit():
+        raise ValueError(f"{GROUP_ROWS_ENV}={value!r}: expected a row count (0 to {MAX_ROWS}; 1 = batch 1 only)")
+    return min(kernel_max_rows(), int(value)) if value else kernel_max_rows()
+
+
+def grouped_config(rows: int, n: int, k: int) -> dict:
+    """Tiling of a grouped launch of ``rows`` rows against weights of ``n`` output features in all:
+    ``default_config``'s for one row; for several, blocks of 64 features and no split k (the
+    group's blocks together give the launch its programs). From a sweep of Llama-3-8B's q/k/v
+    on an H200 (benchmarks/results/gemv/grouped_rows.json): at 64 rows 17.9 us with these tiles
+    against 27.1 us for the three weights one by one."""
+    if rows == 1:
+        return default_config(1, n, k)
+    return dict(BLOCK_N=64, BLOCK_K=128 if rows > 16 else 256, num_warps=4, num_stages=4)
 
 
 def grouped_gemv(x: Tensor, weights: list[Tensor], config: Optional[dict] = None) -> list[Tensor]:
-    """``[x @ w.T for w in weights]`` for one row x (..., k) and 2 to ``MAX_GROUP`` weights (n_i, k)
-    of x's dtype, in one kernel launch: each program computes ``BLOCK_N`` output features of one
-    weight. The tiling is ``default_config``'s for the summed output features."""
+    """``[x @ w.T for w in weights]`` for x (..., k) of at most ``MAX_ROWS`` rows and 2 to
+    ``MAX_GROUP`` weights (n_i, k) of x's dtype, in one kernel launch: each program computes
+    ``BLOCK_N`` output features of one weight (``grouped_config`` unless ``config`` is given)."""
     k = x.shape[-1]
-    if (x.numel() != k or not 2 <= len(weights) <= MAX_GROUP
+    rows = x.numel() // k if k else 0
+    if (not 1 <= rows <= MAX_ROWS or not 2 <= len(weights) <= MAX_GROUP
             or any(w.dim() != 2 or w.shape[1] != k or w.dtype != x.dtype for w in weights)):
-        raise ValueError(f"grouped_gemv: one row x {tuple(x.shape)} {x.dtype} and 2 to {MAX_GROUP} weights "
-                         f"(n, {k}) of its dtype; got {[(tuple(w.shape), w.dtype) for w in weights]}")
-    x2 = x.reshape(1, k)
+        raise ValueError(f"grouped_gemv: 1 to {MAX_ROWS} rows x {tuple(x.shape)} {x.dtype} and 2 to {MAX_GROUP} "
+                         f"weights (n, {k}) of its dtype; got {[(tuple(w.shape), w.dtype) for w in weights]}")
+    x2 = x.reshape(rows, k)
     outs = [torch.empty(*x.shape[:-1], w.shape[0], dtype=x.dtype, device=x.device) for w in weights]
-    cfg = dict(config or default_config(1, sum(w.shape[0] for w in weights), k))
+    cfg = dict(config or grouped_config(rows, sum(w.shape[0] for w in weights), k))
     block_n = cfg.pop("BLOCK_N")
+    cfg.pop("SPLIT_K", None)
     ends = list(itertools.accumulate(cdiv(w.shape[0], block_n) for w in weights))
     padding = MAX_GROUP - len(weights)
     ws, ys = weights + [weights[0]] * padding, outs + [outs[0]] * padding
     ns = [w.shape[0] for w in weights] + [0] * padding
     ends_arg = (ends + [ends[-1]] * padding)[:MAX_GROUP - 1]
     if ends[-1]:
-        _grouped_row_kernel[(ends[-1],)](
-            x2, *ws, *ys, *ns, *ends_arg, k, x2.stride(1), *(st for w in ws for st in w.stride()),
-            GROUP=len(weights), BLOCK_N=block_n, **cfg, **launch_options(x.device))
+        _grouped_kernel[(ends[-1],)](
+            x2, *ws, *ys, *ns, *ends_arg, rows, k, x2.stride(0), x2.stride(1),
+            *(st for w in ws for st in w.stride()),
+            GROUP=len(weights), USE_DOT=rows > 1, BLOCK_M=block_m(rows), BLOCK_N=block_n, **cfg,
+            **launch_options(x.device))
     return outs
 
 
 def decode_linear_group(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
     """``[F.linear(x, w) for w in weights]`` for a decode step (the ``group_decode_linears`` pass):
-    one launch of ``grouped_gemv`` for one row of the weights' dtype, ``decode_linear``'s
-    per-weight path otherwise."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (rows != 1 or kernel_max_rows() < 1 or not 2 <= len(weights) <= MAX_GROUP
-            or any(w.dim() != 2 or w.dtype != x.dtype or w.shape[1] != x.shape[-1] for w in weights)):
+    one launch of ``grouped_gemv`` for one row, and for ``GROUPED_MIN_ROWS`` to ``group_max_rows()``
+    rows where the weights' output features sum to at most ``MAX_GROUPED_FEATURES``;
+    ``decode_linear``'s per-weight path otherwise."""
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    several = rows > 1
+    if (not 1 <= rows <= group_max_rows() or not 2 <= len(weights) <= MAX_GROUP
+            or any(w.dim() != 2 or w.dtype != x.dtype or w.shape[1] != k for w in weights)
+            or (several and (rows < GROUPED_MIN_ROWS or sum(w.shape[0] for w in weights) > MAX_GROUPED_FEATURES))):
         return [decode_linear(x, w) for w in weights]
     return grouped_gemv(x, weights)

@@ -420,3 +420,15 @@ def decode_linear_group(x: Tensor, weights: List[Tensor]) -> List[Tensor]:
     """``[F.linear(x, w) for w in weights]``: the op the ``group_decode_linears`` pass puts linear
     layers reading the same input on."""
     return [F.linear(x, w) for w in weights]
+
+
+def rotary(xs: List[Tensor], cos: Tensor, sin: Tensor) -> List[Tensor]:
+    """Hugging Face's ``apply_rotary_pos_emb`` for each of ``xs``: ``x * cos + rotate_half(x) * sin``
+    with ``rotate_half(x) = cat(-x[..., p/2:], x[..., :p/2])``, op for op (each product rounded to
+    its dtype before the sum): the op the ``fuse_rotary`` pass puts that captured chain on."""
+    out = []
+    for x in xs:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        out.append(x * cos + rotated * sin)
+    return out

@@ -27,22 +27,9 @@ from torch import Tensor
 
 from ssmshard.kernels.launch_math import next_power_of_2
 from ssmshard.kernels.pdl import launch_options, start_dependents_then_wait
+from ssmshard.kernels.rounding import TL_DTYPES as _TL_DTYPES, round_to as _round
 
 MAX_WIDTH = 8192  # channels per group held in registers by one program
-
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
-@triton.jit
-def _round(x, DTYPE: tl.constexpr):
-    """float32 ``x`` to ``DTYPE``, rounding to nearest even as torch does. To bfloat16 the rounding
-    is done on the bits first: Triton's interpreter truncates that cast, and the explicit rounding
-    makes the truncation exact (on GPUs, where the cast rounds, it changes nothing)."""
-    if DTYPE == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16) << 16  # shifts keep it uint32
-        x = bits.to(tl.float32, bitcast=True)
-    return x.to(DTYPE)
 
 
 @triton.jit

@@ -131,4 +131,11 @@ SIGNATURES: dict[str, OpSignature] = {s.name: s for s in [
         "in weights]``. x (..., k); each weight (n_i, k). Its kernel runs them in one launch for one row, "
         "``decode_linear``'s per weight for more "
         "(the ``group_decode_linears`` pass)."),
+    OpSignature(
+        "rotary",
+        "(Tensor[] xs, Tensor cos, Tensor sin) -> Tensor[]",
+        "The rotary position embedding of attention's queries and keys, Hugging Face's "
+        "``apply_rotary_pos_emb``: ``x * cos + rotate_half(x) * sin`` for each x of xs (b, h, l, p), "
+        "``rotate_half(x) = cat(-x[..., p/2:], x[..., :p/2])``; cos, sin broadcast to each x. Returns one "
+        "tensor per x (the ``fuse_rotary`` pass)."),
 ]}

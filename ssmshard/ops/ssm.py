@@ -229,3 +229,13 @@ def _decode_linear_group_fake(x, weights, **_):
 # the ``group_decode_linears`` pass can run them as one kernel launch (``kernels/gemv.py``).
 decode_linear_group = _define("decode_linear_group", ref.decode_linear_group, _decode_linear_group_fake,
                               differentiable=False)
+
+
+def _rotary_fake(xs, cos, sin):
+    dtype = torch.promote_types(cos.dtype, sin.dtype)
+    return [torch.empty_like(x, dtype=torch.promote_types(x.dtype, dtype)) for x in xs]
+
+
+# Attention's rotary embedding of q and k as one op (five ATen ops each as captured), so the
+# ``fuse_rotary`` pass can run it as one kernel launch (``kernels/rotary.py``).
+rotary = _define("rotary", ref.rotary, _rotary_fake, differentiable=False)

@@ -13,7 +13,7 @@ Options: ``kernels`` = "triton" (swap; the default) or "reference" (report only)
 retarget to the adapters as opaque ops (``kernel_ops``), which ``torch.compile`` keeps as they
 are, instead of the Python adapters (``Plan(compile=True)``).
 
-Under ``compile`` the norms are the exception: their nodes call the reference functions
+Under ``compile`` the norms and the rotary embedding are the exception: their nodes call the reference functions
 (``kernels/reference.py``), which Dynamo traces into ATen ops, so that Inductor generates each
 norm fused with its neighbours: the cast after it, the residual add, the strided slice of the
 packed projection a gate is read from. An opaque norm kernel makes those separate passes over
@@ -39,6 +39,9 @@ ssm = torch.ops.ssmshard
 
 
 def _on_gpu(t) -> bool:
+    """A real CUDA tensor, or a non-empty list of them (``rotary``'s first argument)."""
+    if isinstance(t, (list, tuple)):
+        return bool(t) and all(_on_gpu(item) for item in t)
     return isinstance(t, torch.Tensor) and t.is_cuda and not isinstance(t, FakeTensor)
 
 
@@ -118,6 +121,8 @@ _TRITON = [
     # A decode step's linear layers (``decode_gemv``); more rows than the kernel serves go to cuBLAS.
     ("decode_linear", "ssmshard.kernels.gemv", _call_by_name, True, None),
     ("decode_linear_group", "ssmshard.kernels.gemv", _call_by_name, True, None),
+    # Attention's rotary embedding (``fuse_rotary``); the kernel has no backward.
+    ("rotary", "ssmshard.kernels.rotary", _call_by_name, True, None),
 ]
 # op -> (adapter, module the kernel lives in, static check)
 KERNELS = {getattr(ssm, name).default: (_adapter(name, module, call, inference_only), module, check)
@@ -126,7 +131,7 @@ KERNELS = {getattr(ssm, name).default: (_adapter(name, module, call, inference_o
 KERNEL_OPS = {op: opaque_kernel_op(op.name().split("::")[-1], adapter) for op, (adapter, _, _) in KERNELS.items()}
 # op -> the reference function its nodes call under ``compile``, for Inductor to fuse (docstring).
 LEFT_TO_INDUCTOR = {getattr(ssm, name).default: getattr(reference, name)
-                    for name in ("rms_norm", "add_rms_norm", "gated_rms_norm")}
+                    for name in ("rms_norm", "add_rms_norm", "gated_rms_norm", "rotary")}
 COMPILE_TARGETS = {**KERNEL_OPS, **LEFT_TO_INDUCTOR}
 # The ops a kernel could serve: every op with a declared signature. Collectives and other
 # ssmshard ops are not kernels' business.

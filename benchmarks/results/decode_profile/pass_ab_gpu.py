@@ -3,9 +3,11 @@ without it, timed alternately on one GPU in one process.
 
     PYTHONPATH=$PWD python benchmarks/results/decode_profile/pass_ab_gpu.py --out $OUT --models mamba-2.8b --skip fuse_dt_proj
     PYTHONPATH=$PWD python benchmarks/results/decode_profile/pass_ab_gpu.py --out $OUT --models mamba-2.8b --skip fuse_dt_proj decode_gemv
+    PYTHONPATH=$PWD python benchmarks/results/decode_profile/pass_ab_gpu.py --out $OUT --models llama-3-8b --skip fuse_rotary+fold_cache_positions
     PYTHONPATH=$PWD python benchmarks/results/decode_profile/pass_ab_gpu.py --out $OUT --models mamba-2.8b --env SSMSHARD_GEMV_ROWS=1
 
-Variants: the full plan (``all passes``) and, per ``--skip`` name, ``Plan(skip_passes=[name])``,
+Variants: the full plan (``all passes``) and, per ``--skip`` argument, ``Plan(skip_passes=[name])``
+(``a+b``: ``skip_passes=[a, b]``),
 each a ``parallelize`` of the same random bf16 model (``decode_gpu.GPU_MODELS``), and per
 ``--env KEY=VALUE`` the full plan with that environment variable set while its graph is captured
 (kernel choices read at capture time, such as ``SSMSHARD_GEMV_ROWS``). Per batch each
@@ -82,7 +84,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--models", nargs="+", default=["mamba-2.8b"], choices=sorted(GPU_MODELS))
-    parser.add_argument("--skip", nargs="*", default=[], choices=OPTIONAL_PASSES, help="one variant per pass")
+    parser.add_argument("--skip", nargs="*", default=[], metavar="PASS[+PASS...]",
+                        help="one variant per argument, without that pass (or those joined by +)")
     parser.add_argument("--env", nargs="*", default=[], metavar="KEY=VALUE",
                         help="one variant per setting: the full plan, captured with KEY=VALUE in the environment")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 16, 64])
@@ -92,6 +95,9 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--seed", type=int, default=7)
     args = parser.parse_args(argv)
+    unknown = [name for names in args.skip for name in names.split("+") if name not in OPTIONAL_PASSES]
+    if unknown:
+        parser.error(f"--skip: unknown passes {unknown}; choose from {', '.join(OPTIONAL_PASSES)}")
     os.makedirs(args.out, exist_ok=True)
     device = torch.cuda.get_device_name()
     init_single_process_group(torch.device("cuda"))
@@ -99,8 +105,8 @@ def main(argv=None):
         for model_name in args.models:
             model = build_random_model(GPU_MODELS[model_name](), torch.device("cuda"), torch.bfloat16, seed=args.seed)
             variants = {"all passes": (ssmshard.parallelize(model, ssmshard.Plan(tp=1)), {})}
-            variants.update({f"without {name}": (ssmshard.parallelize(model, ssmshard.Plan(tp=1, skip_passes=[name])), {})
-                             for name in args.skip})
+            variants.update({f"without {names}": (ssmshard.parallelize(model, ssmshard.Plan(tp=1, skip_passes=names.split("+"))), {})
+                             for names in args.skip})
             for setting in args.env:
                 key, _, value = setting.partition("=")
                 variants[setting] = (ssmshard.parallelize(model, ssmshard.Plan(tp=1)), {key: value})

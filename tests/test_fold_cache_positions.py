@@ -1,0 +1,108 @@
+"""The static-K/V decode step's position arithmetic folded (``fold_cache_positions``): fewer
+nodes, the same tokens as Hugging Face, and left alone wherever a counter's advance is read."""
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import ssmshard
+from ssmshard.passes import fold_cache_positions as fcp, run_pipeline
+
+from conftest import small_model
+
+aten = torch.ops.aten
+
+
+def _count(program, target):
+    return sum(1 for n in program.graph.nodes if n.op == "call_function" and n.target is target)
+
+
+@pytest.mark.parametrize("family", ["llama", "zamba2"])
+def test_static_decode_loses_four_nodes_per_attention_layer(family):
+    model = small_model(family)
+    plain = ssmshard.capture(model, mode="decode", static_kv=True)
+    folded = run_pipeline(ssmshard.capture(model, mode="decode", static_kv=True), ["fold_cache_positions"])
+    layers = sum(1 for spec in plain.state_specs if spec.kind == "key")
+    report = folded.cache_position_report
+    assert report == {"counter_bumps": layers, "clones": layers, "slots": report["slots"]} and report["slots"] >= layers
+    assert _count(plain, aten.add_.Tensor) - _count(folded, aten.add_.Tensor) == layers
+    assert _count(folded, aten.clone.default) == _count(plain, aten.clone.default) - layers
+    assert _count(plain, aten.arange.default) - _count(folded, aten.arange.default) == report["slots"]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("family", ["llama", "zamba2"])
+def test_static_kv_generation_with_the_gpu_plan_equals_hf(family, tp, monkeypatch, fresh_seed):
+    """The GPU plan's static decode program, the one CUDA graphs replay (``fold_cache_positions``
+    and ``fuse_rotary`` among its passes; the kernel adapters run the reference ops on CPU
+    tensors), from left-padded prompts."""
+    monkeypatch.setattr(ssmshard.Plan, "kernel_choice", lambda self, device: "triton")
+    model = small_model(family)
+    mesh = ssmshard.SimulatedMesh(model, ssmshard.Plan(tp=tp))
+    generator = torch.Generator().manual_seed(fresh_seed)
+    ids = torch.randint(1, model.config.vocab_size, (3, 7), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    mask[2, :5] = 0
+    with torch.no_grad():
+        tokens = mesh.generate(ids, attention_mask=mask, max_new_tokens=6, static_kv=True)
+        expected = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert torch.equal(tokens, expected), f"{family} tp={tp} seed {fresh_seed}"
+    program = mesh.ranks[0]._generation["static_decode"]
+    attention_layers = sum(1 for spec in program.state_specs if spec.kind == "key")
+    assert program.cache_position_report["counter_bumps"] == attention_layers
+    rotary = [n for n in program.graph.nodes if "rotary" in getattr(n.target, "__name__", "")]
+    assert len(rotary) == attention_layers and all(len(n.args[0]) == 2 for n in rotary)
+
+
+def _traced(fn, *inputs):
+    """``fn`` as an FX graph of ATen ops (in-place ones kept, as export keeps the cache's) whose
+    nodes carry their values (``meta["val"]``) from one run."""
+    gm = make_fx(fn)(*[t.clone() for t in inputs])
+
+    class Recorder(torch.fx.Interpreter):
+        def run_node(self, node):
+            out = super().run_node(node)
+            node.meta["val"] = out.clone() if isinstance(out, torch.Tensor) else out
+            return out
+
+    Recorder(gm).run(*[t.clone() for t in inputs])
+    return gm
+
+
+def _slot_then_bump(position, cache, k):
+    counter = position.clone()
+    slot = torch.arange(1) + counter
+    counter.add_(1)
+    return cache.index_copy_(0, slot, k)
+
+
+def _slot_then_bump_then_read(position, cache, k):
+    counter = position.clone()
+    slot = torch.arange(1) + counter
+    counter.add_(1)
+    return cache.index_copy_(0, slot, k), counter * 2  # the advanced counter is read
+
+
+@pytest.mark.parametrize("fn, folds", [(_slot_then_bump, True), (_slot_then_bump_then_read, False)])
+def test_folds_only_unread_advances(fn, folds):
+    inputs = (torch.tensor(2), torch.zeros(5, 3), torch.randn(1, 3))
+    expected = fn(*[t.clone() for t in inputs])
+    gm = _traced(fn, *inputs)
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    bumps, clones = fcp._drop_counter_bumps(gm.graph, order)
+    slots = fcp._slots_as_views(gm.graph)
+    gm.recompile()
+    assert (bumps, clones, slots) == ((1, 1, 1) if folds else (0, 0, 0))
+    got = gm(*[t.clone() for t in inputs])
+    for g, e in zip(got if isinstance(got, tuple) else (got,), expected if isinstance(expected, tuple) else (expected,)):
+        assert torch.equal(g, e)
+
+
+def test_plan_runs_it_before_the_kernel_swap_and_skip_passes_leaves_it_out():
+    def steps(plan):
+        return [s if isinstance(s, str) else s[0]
+                for s in plan.pipeline("decode", placements={}, rank=0, group="g", kernels="triton")]
+
+    assert steps(ssmshard.Plan()).index("fold_cache_positions") == steps(ssmshard.Plan()).index("swap_kernels") - 1
+    assert "fold_cache_positions" not in steps(ssmshard.Plan(skip_passes=["fold_cache_positions"]))
