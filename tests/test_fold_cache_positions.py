@@ -84,8 +84,18 @@ def _slot_then_bump_then_read(position, cache, k):
     return cache.index_copy_(0, slot, k), counter * 2  # the advanced counter is read
 
 
-@pytest.mark.parametrize("fn, folds", [(_slot_then_bump, True), (_slot_then_bump_then_read, False)])
-def test_folds_only_unread_advances(fn, folds):
+def _slot_then_bump_then_input_written(position, cache, k):
+    counter = position.clone()
+    slot = torch.arange(1) + counter
+    counter.add_(1)
+    position.add_(5)  # the input itself changes after the clone: the clone must stay a copy
+    return cache.index_copy_(0, slot, k)
+
+
+# (bumps, clones, slots) folded
+@pytest.mark.parametrize("fn, folds", [(_slot_then_bump, (1, 1, 1)), (_slot_then_bump_then_read, (0, 0, 0)),
+                                       (_slot_then_bump_then_input_written, (1, 0, 1))])
+def test_folds_only_unread_advances_and_unwritten_inputs(fn, folds):
     inputs = (torch.tensor(2), torch.zeros(5, 3), torch.randn(1, 3))
     expected = fn(*[t.clone() for t in inputs])
     gm = _traced(fn, *inputs)
@@ -93,7 +103,7 @@ def test_folds_only_unread_advances(fn, folds):
     bumps, clones = fcp._drop_counter_bumps(gm.graph, order)
     slots = fcp._slots_as_views(gm.graph)
     gm.recompile()
-    assert (bumps, clones, slots) == ((1, 1, 1) if folds else (0, 0, 0))
+    assert (bumps, clones, slots) == folds
     got = gm(*[t.clone() for t in inputs])
     for g, e in zip(got if isinstance(got, tuple) else (got,), expected if isinstance(expected, tuple) else (expected,)):
         assert torch.equal(g, e)

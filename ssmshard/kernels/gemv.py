@@ -313,9 +313,10 @@ GROUP_ROWS_ENV = "SSMSHARD_GROUP_ROWS"
 # Grouped launches above one row only from GROUPED_MIN_ROWS rows and where the group's output
 # features sum to at most MAX_GROUPED_FEATURES: an attention block's q/k/v (Llama-3-8B: 6144),
 # not an MLP's gate/up (28672), whose large weights cuBLAS streams near the copy bandwidth one by
-# one. In a Llama-3-8B-sized graphed step on an H200 the grouped q/k/v took the step from 6.32 to
-# 6.24 ms at 64 rows, and was slower at 4 and 16 rows (5.87 against 5.59 ms, 5.88 against 5.69),
-# where the per-weight path splits k (benchmarks/results/gemv/, "Grouped launches of several rows").
+# one. In a Llama-3-8B-sized graphed step on an H200 the grouped q/k/v took the step from 6.36 to
+# 6.07 ms at 64 rows; with an earlier tiling it was slower at 4 and 16 rows (5.87 against 5.59 ms,
+# 5.88 against 5.69), where the per-weight path splits k, although faster alone: not explained,
+# so those rows stay per weight (benchmarks/results/gemv/, "Grouped launches of several rows").
 GROUPED_MIN_ROWS = 17
 MAX_GROUPED_FEATURES = 8192
 

@@ -87,7 +87,7 @@ def _drop_counter_bumps(graph, order) -> tuple[int, int]:
                 graph.erase_node(bump)
             bumps_dropped += len(bumps)
         source = clone.args[0]
-        written = [u for a in [source, *aliases] for u in a.users if _writes_in_place(u)]
+        written = [u for a in [*_aliases(source), *aliases] for u in a.users if _writes_in_place(u)]
         if not written and all(u.op != "output" for a in aliases for u in a.users):
             clone.replace_all_uses_with(source)
             graph.erase_node(clone)
