@@ -24,7 +24,8 @@ def test_static_decode_loses_four_nodes_per_attention_layer(family):
     folded = run_pipeline(ssmshard.capture(model, mode="decode", static_kv=True), ["fold_cache_positions"])
     layers = sum(1 for spec in plain.state_specs if spec.kind == "key")
     report = folded.cache_position_report
-    assert report == {"counter_bumps": layers, "clones": layers, "slots": report["slots"]} and report["slots"] >= layers
+    assert (report["counter_bumps"], report["clones"]) == (layers, layers)
+    assert report["slots"] >= layers  # every layer's slot, and the mask's own arange(1) + position
     assert _count(plain, aten.add_.Tensor) - _count(folded, aten.add_.Tensor) == layers
     assert _count(folded, aten.clone.default) == _count(plain, aten.clone.default) - layers
     assert _count(plain, aten.arange.default) - _count(folded, aten.arange.default) == report["slots"]

@@ -356,7 +356,6 @@ def grouped_gemv(x: Tensor, weights: list[Tensor], config: Optional[dict] = None
     outs = [torch.empty(*x.shape[:-1], w.shape[0], dtype=x.dtype, device=x.device) for w in weights]
     cfg = dict(config or grouped_config(rows, sum(w.shape[0] for w in weights), k))
     block_n = cfg.pop("BLOCK_N")
-    cfg.pop("SPLIT_K", None)
     ends = list(itertools.accumulate(cdiv(w.shape[0], block_n) for w in weights))
     padding = MAX_GROUP - len(weights)
     ws, ys = weights + [weights[0]] * padding, outs + [outs[0]] * padding

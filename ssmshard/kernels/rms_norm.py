@@ -27,7 +27,7 @@ from torch import Tensor
 
 from ssmshard.kernels.launch_math import next_power_of_2
 from ssmshard.kernels.pdl import launch_options, start_dependents_then_wait
-from ssmshard.kernels.rounding import TL_DTYPES as _TL_DTYPES, round_to as _round
+from ssmshard.kernels.rounding import TL_DTYPES, round_to
 
 MAX_WIDTH = 8192  # channels per group held in registers by one program
 
@@ -49,18 +49,18 @@ def _rms_norm_kernel(
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + row * residual_row_stride + cols, mask=mask, other=0.0)
         # torch adds in float32 and rounds once to the promoted dtype
-        summed = _round(residual.to(tl.float32) + x.to(tl.float32), summed_ptr.dtype.element_ty)
+        summed = round_to(residual.to(tl.float32) + x.to(tl.float32), summed_ptr.dtype.element_ty)
         tl.store(summed_ptr + offs, summed, mask=mask)
-        x = _round(summed.to(tl.float32), NORM_DTYPE)
+        x = round_to(summed.to(tl.float32), NORM_DTYPE)
     h = x.to(tl.float32)
     if HAS_GATE:
         gate = tl.load(gate_ptr + row * gate_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
         h = h * (gate * tl.sigmoid(gate))
     variance = tl.sum(h * h, axis=0) / group_size
-    y = _round(h * tl.math.rsqrt(variance + eps), NORM_DTYPE)
+    y = round_to(h * tl.math.rsqrt(variance + eps), NORM_DTYPE)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     out = weight.to(tl.float32) * y.to(tl.float32)
-    tl.store(out_ptr + offs, _round(out, out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + offs, round_to(out, out_ptr.dtype.element_ty), mask=mask)
 
 
 def _num_warps(block: int) -> int:
@@ -85,8 +85,8 @@ def _launch(x: Tensor, residual: Optional[Tensor], gate: Optional[Tensor], weigh
     if group_size > MAX_WIDTH or d % group_size:
         raise ValueError(f"rms_norm kernel: group of {group_size} channels over rows of {d}: groups must divide "
                          f"the row and hold at most {MAX_WIDTH} channels (use the reference op)")
-    if norm_dtype not in _TL_DTYPES:
-        raise ValueError(f"rms_norm kernel: norm input dtype {norm_dtype} is not one of {list(_TL_DTYPES)}")
+    if norm_dtype not in TL_DTYPES:
+        raise ValueError(f"rms_norm kernel: norm input dtype {norm_dtype} is not one of {list(TL_DTYPES)}")
     if weight.shape != (d,):
         raise ValueError(f"rms_norm kernel: weight of shape {tuple(weight.shape)} for rows of {d} channels")
     rows = x.numel() // d if d else 0
@@ -100,7 +100,7 @@ def _launch(x: Tensor, residual: Optional[Tensor], gate: Optional[Tensor], weigh
         _rms_norm_kernel[(rows, d // group_size)](
             x_rows, residual_rows, gate_rows, weight.contiguous(), summed if summed is not None else out, out,
             float(eps), d, group_size, x_rows.stride(0), residual_rows.stride(0), gate_rows.stride(0),
-            HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None, NORM_DTYPE=_TL_DTYPES[norm_dtype],
+            HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None, NORM_DTYPE=TL_DTYPES[norm_dtype],
             BLOCK=block, num_warps=_num_warps(block), **launch_options(x.device),
         )
     return summed, out

@@ -130,9 +130,9 @@ def rotary(xs: List[Tensor], cos: Tensor, sin: Tensor) -> List[Tensor]:
     blocks = [cdiv(args[2], BLOCK_ROWS) for args in per_tensor]
     if sum(blocks) == 0:
         return outs
-    second = per_tensor[1] if len(xs) > 1 else per_tensor[0][:2] + [0] + per_tensor[0][3:]
+    second = per_tensor[-1]  # with one tensor the grid ends at its blocks: the second slot is never read
     block_half = max(next_power_of_2(half), 1)
-    _rotary_kernel[(sum(blocks[:2]) if len(xs) > 1 else blocks[0],)](
+    _rotary_kernel[(sum(blocks),)](
         cos, sin, *per_tensor[0], *second, blocks[0],
         HALF=half, BLOCK_R=BLOCK_ROWS, BLOCK_HALF=block_half, DTYPE=TL_DTYPES[cos.dtype],
         num_warps=4, enable_fp_fusion=False, **launch_options(xs[0].device),

@@ -30,15 +30,11 @@ import numbers
 import torch
 
 from .manager import register
-from .shard.context import new_node, value_of
+from .shard.context import calls, new_node, node_order, value_of
 
 aten = torch.ops.aten
 # Casts that return their input itself when the dtype is already right (aliases, not copies).
 _ALIAS_CASTS = (aten.to.dtype_layout, aten.to.dtype, aten.to.device)
-
-
-def _call(node, target) -> bool:
-    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is target
 
 
 def _aliases(node) -> list:
@@ -57,7 +53,7 @@ def _aliases(node) -> list:
 
 
 def _is_counter_bump(node, aliases) -> bool:
-    return (_call(node, aten.add_.Tensor) and node.args[0] in aliases and len(node.args) == 2
+    return (calls(node, aten.add_.Tensor) and node.args[0] in aliases and len(node.args) == 2
             and isinstance(node.args[1], numbers.Number) and not node.kwargs and not node.users)
 
 
@@ -69,7 +65,7 @@ def _writes_in_place(node) -> bool:
 def _is_counter(node) -> bool:
     """A clone of an input that holds one integer (a position), read by no program output."""
     value = value_of(node)
-    return (_call(node, aten.clone.default) and node.args[0].op == "placeholder" and isinstance(value, torch.Tensor)
+    return (calls(node, aten.clone.default) and node.args[0].op == "placeholder" and isinstance(value, torch.Tensor)
             and value.dim() == 0 and not value.dtype.is_floating_point and not value.dtype.is_complex
             and all(u.op != "output" for u in node.users))
 
@@ -96,7 +92,7 @@ def _drop_counter_bumps(graph, order) -> tuple[int, int]:
 
 
 def _is_unit_arange(node) -> bool:
-    return (_call(node, aten.arange.default) and tuple(node.args) == (1,)
+    return (calls(node, aten.arange.default) and tuple(node.args) == (1,)
             and node.kwargs.get("dtype") in (None, torch.int64))
 
 
@@ -112,7 +108,7 @@ def _never_written(node) -> bool:
 def _slots_as_views(graph) -> int:
     """``arange(1) + position`` (position a 0-d int64 value nothing writes) -> ``position.unsqueeze(0)``."""
     rewritten = 0
-    for add in [n for n in graph.nodes if _call(n, aten.add.Tensor) and len(n.args) == 2 and not n.kwargs]:
+    for add in [n for n in graph.nodes if calls(n, aten.add.Tensor) and len(n.args) == 2 and not n.kwargs]:
         a, b = add.args
         position = b if _is_unit_arange(a) else a if _is_unit_arange(b) else None
         value = value_of(position)
@@ -138,7 +134,7 @@ def fold_cache_positions(program, ctx):
     if program.mode != "decode":
         return program
     graph = program.graph
-    order = {node: i for i, node in enumerate(graph.nodes)}
+    order = node_order(graph)
     bumps, clones = _drop_counter_bumps(graph, order)
     program.cache_position_report = {"counter_bumps": bumps, "clones": clones, "slots": _slots_as_views(graph)}
     return program

@@ -31,7 +31,7 @@ import torch
 
 from ..placement import Shard
 from .manager import register
-from .shard.context import new_node, value_of
+from .shard.context import calls, new_node, node_order, value_of
 
 aten = torch.ops.aten
 ssm = torch.ops.ssmshard
@@ -39,7 +39,8 @@ MAX_GROUP = 2  # kernels.rotary.MAX_TENSORS (not imported: that module needs Tri
 
 
 def _is(node, target) -> bool:
-    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is target and not node.kwargs
+    """``calls(node, target)`` with every argument positional (as export writes these ops)."""
+    return calls(node, target) and not node.kwargs
 
 
 def _half_slice(node, x, start: bool):
@@ -152,7 +153,7 @@ def fuse_rotary(program, ctx):
         return program
     graph = program.graph
     matches = [m for m in map(_match, list(graph.nodes)) if m is not None and _fusable(m)]
-    order = {node: i for i, node in enumerate(graph.nodes)}
+    order = node_order(graph)
     groups = _groups(matches, order)
     for group in groups:
         _fuse(graph, group, order)

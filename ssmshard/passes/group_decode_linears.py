@@ -25,7 +25,7 @@ import torch
 
 from ..kernels.launch_math import cdiv
 from .manager import register
-from .shard.context import new_node, value_of
+from .shard.context import new_node, node_order, value_of
 
 ssm = torch.ops.ssmshard
 MAX_GROUP = 4  # kernels.gemv.MAX_GROUP (not imported: that module needs Triton)
@@ -76,7 +76,7 @@ def group_decode_linears(program, ctx):
     if program.mode != "decode":
         return program
     graph = program.graph
-    order = {node: i for i, node in enumerate(graph.nodes)}
+    order = node_order(graph)
     report = []
     for x in list(graph.nodes):
         linears = sorted((u for u in x.users if _groupable(u, x)), key=order.__getitem__)

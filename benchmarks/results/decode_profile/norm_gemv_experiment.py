@@ -41,7 +41,7 @@ from torch import Tensor
 
 from ssmshard.kernels import gemv as gv, rms_norm as rn
 from ssmshard.kernels.launch_math import cdiv
-from ssmshard.kernels.rms_norm import _TL_DTYPES, _round
+from ssmshard.kernels.rounding import TL_DTYPES as _TL_DTYPES, round_to as _round
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from bench_gemv import graphed_us  # noqa: E402  (benchmarks/bench_gemv.py)

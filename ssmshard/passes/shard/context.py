@@ -62,6 +62,16 @@ def value_of(node):
     return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
 
 
+def calls(node, target) -> bool:
+    """Whether ``node`` is a graph node calling ``target``."""
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is target
+
+
+def node_order(graph) -> dict:
+    """Each node's position in ``graph``, for "does this come before that" questions."""
+    return {node: i for i, node in enumerate(graph.nodes)}
+
+
 def single_user(node):
     """The one node reading ``node``; None when it is not a node or has no or several readers."""
     return next(iter(node.users)) if isinstance(node, torch.fx.Node) and len(node.users) == 1 else None
