@@ -26,7 +26,8 @@ from .token_layout import ORDERS as TSP_ORDERS
 
 # Passes a plan runs only to make its programs faster; ``Plan(skip_passes=[...])`` leaves them out.
 OPTIONAL_PASSES = ("fuse_rmsnorm", "decode_gemv", "fuse_dt_proj", "group_decode_linears", "fuse_rotary",
-                   "fold_cache_positions", "inplace_decode_states", "fold_weights")
+                   "fold_cache_positions", "hoist_attention_mask", "inplace_decode_states", "fuse_cache_write",
+                   "fold_weights")
 # How a linear layer under Plan(tsp=D) reads a sharded weight (docs/tsp.md).
 TSP_WEIGHT_SCHEDULES = ("gather", "ring")
 TSP_LOGITS = ("gathered", "local")
@@ -114,9 +115,12 @@ class Plan:
     at batch 1; under the Triton kernels), ``fuse_rotary`` (a decode step's rotary embedding of q and
     k, ten small ops a layer, as one kernel launch; under the Triton kernels), ``fold_cache_positions``
     (a static-K/V decode step's per-layer slot arithmetic, four small kernels a layer, read from its
-    cache-position input; under the Triton kernels), ``inplace_decode_states`` (the decode program
+    cache-position input; under the Triton kernels), ``hoist_attention_mask`` (a decode step's boolean
+    attention mask made additive once instead of by every attention layer; under the Triton
+    kernels), ``inplace_decode_states`` (the decode program
     writes each new state into the state tensor it was given and returns that tensor: the states
-    passed in are overwritten) and ``fold_weights`` (weight-only subgraphs such as
+    passed in are overwritten), ``fuse_cache_write`` (a static-K/V decode step's rotary embedding and
+    its two key/value cache writes as one kernel launch; under the Triton kernels) and ``fold_weights`` (weight-only subgraphs such as
     ``-exp(A_log.float())`` and casts of weights computed once per binding of the weights instead
     of every call: decode always, prefill and chunk when ``training=False``, forward programs
     never, since gradients must reach the weights). docs/decode.md.
@@ -244,8 +248,11 @@ class Plan:
         Mamba-1's dt projection inside the state update), ``group_decode_linears`` (decode programs:
         linear layers reading one input as one op), ``fuse_rotary`` (decode programs: q and k's rotary
         embedding as one op), ``fold_cache_positions`` (decode programs: the static-K/V slot arithmetic
-        folded into views of the cache position) and ``swap_kernels`` (always last: it only retargets SSM ops). ``runtime.pipeline.shard_program`` runs them; ``ssmshard inspect``
-        and the runtime both go through it. Under ``tsp``, forward programs are the ``tsp`` pass's;
+        folded into views of the cache position), ``hoist_attention_mask`` (decode programs: the
+        boolean attention mask made additive once a step) and ``swap_kernels`` (it only retargets SSM ops);
+        then the inference passes (``inference_steps``) and, for decode programs under the Triton
+        kernels, ``fuse_cache_write`` (the rotary kernel writing keys and values into the static
+        cache). ``runtime.pipeline.shard_program`` runs them; ``ssmshard inspect`` and the runtime both go through it. Under ``tsp``, forward programs are the ``tsp`` pass's;
         ``sequence_sharded=True`` asks for it on a prefill program too (the TSP prefill, whose
         states feed the tensor-parallel decode program: docs/tsp.md)."""
         from .passes.shard import sharding_steps
@@ -274,8 +281,11 @@ class Plan:
                 steps.append(("group_decode_linears", {}))
                 steps.append(("fuse_rotary", {}))
                 steps.append(("fold_cache_positions", {}))
+                steps.append(("hoist_attention_mask", {}))
             steps.append(("swap_kernels", {"kernels": "triton", "compile": self.compile}))
         steps += self.inference_steps(mode)
+        if kernels == "triton" and mode == "decode":  # after inplace_decode_states, on the rotary kernel
+            steps.append(("fuse_cache_write", {}))
         return [step for step in steps if (step if isinstance(step, str) else step[0]) not in self.skip_passes]
 
     def inference_steps(self, mode: str) -> list:

@@ -45,6 +45,12 @@ def small_model(family: str, **overrides):
     return _MODELS[key]
 
 
+def pipeline_steps(plan, mode: str = "decode", kernels: str = "triton") -> list:
+    """The names of the pass steps ``plan`` runs on one rank's program of ``mode``, in order."""
+    return [s if isinstance(s, str) else s[0]
+            for s in plan.pipeline(mode, placements={}, rank=0, group="g", kernels=kernels)]
+
+
 def simulated_gpu_plan_generation(model, seed, monkeypatch, tp=2, max_new_tokens=4):
     """Greedy tokens of a ``SimulatedMesh`` at ``tp`` running the GPU plan's passes (the Triton
     kernel adapters, which run the reference ops on CPU tensors), HF's for the same prompts, and

@@ -13,7 +13,7 @@ from ssmshard.kernels import gemv as kgemv
 from ssmshard.passes import run_pipeline
 from ssmshard.testing import rel_err
 
-from conftest import small_model
+from conftest import pipeline_steps, small_model
 from test_decode_passes import INFERENCE_PASSES, decode_step_by_step, greedy_tokens_and_hf
 from test_kernel_selective_scan import to_device  # the GPU where there is one, else the interpreter
 
@@ -109,15 +109,11 @@ def test_decode_gemv_leaves_other_programs_alone():
 
 
 def test_plan_runs_it_on_decode_programs_under_the_triton_kernels():
-    def steps(plan, mode, kernels):
-        return [s if isinstance(s, str) else s[0]
-                for s in plan.pipeline(mode, placements={}, rank=0, group="g", kernels=kernels)]
-
     plan = ssmshard.Plan()
-    decode = steps(plan, "decode", "triton")
+    decode = pipeline_steps(plan, "decode", "triton")
     assert decode.index("decode_gemv") < decode.index("swap_kernels")
-    assert "decode_gemv" not in steps(plan, "prefill", "triton") + steps(plan, "decode", "reference")
-    assert "decode_gemv" not in steps(ssmshard.Plan(skip_passes=["decode_gemv"]), "decode", "triton")
+    assert "decode_gemv" not in pipeline_steps(plan, "prefill", "triton") + pipeline_steps(plan, "decode", "reference")
+    assert "decode_gemv" not in pipeline_steps(ssmshard.Plan(skip_passes=["decode_gemv"]), "decode", "triton")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernel's compiled path needs a GPU")

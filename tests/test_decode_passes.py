@@ -93,6 +93,14 @@ def greedy_tokens_and_hf(model, decode, seed, max_new_tokens=10):
     return tokens, hf
 
 
+def assert_same_logits_and_hf_tokens(model, plain, passed, seed, where: str) -> None:
+    """``passed``'s decode logits equal ``plain``'s step by step, and its greedy tokens HF's."""
+    for got, expected in decode_step_by_step(model, plain, passed, seed)[0]:
+        assert torch.equal(got, expected), where
+    tokens, hf = greedy_tokens_and_hf(model, passed, seed)
+    assert torch.equal(tokens, hf), where
+
+
 # Zamba's program is the largest of the six and its decode states are rewritten as Zamba2's are:
 # in the slow set, to keep the default suite under its time budget.
 @pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f == "zamba" else f

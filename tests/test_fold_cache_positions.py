@@ -6,9 +6,9 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import ssmshard
-from ssmshard.passes import fold_cache_positions as fcp, run_pipeline
+from ssmshard.passes import fold_cache_positions as fcp, fuse_cache_write, run_pipeline
 
-from conftest import small_model
+from conftest import pipeline_steps, small_model
 
 aten = torch.ops.aten
 
@@ -34,8 +34,8 @@ def test_static_decode_loses_four_nodes_per_attention_layer(family):
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("family", ["llama", "zamba2"])
 def test_static_kv_generation_with_the_gpu_plan_equals_hf(family, tp, monkeypatch, fresh_seed):
-    """The GPU plan's static decode program, the one CUDA graphs replay (``fold_cache_positions``
-    and ``fuse_rotary`` among its passes; the kernel adapters run the reference ops on CPU
+    """The GPU plan's static decode program, the one CUDA graphs replay (``fold_cache_positions``,
+    ``fuse_rotary``, ``hoist_attention_mask`` and ``fuse_cache_write`` among its passes; the kernel adapters run the reference ops on CPU
     tensors), from left-padded prompts."""
     monkeypatch.setattr(ssmshard.Plan, "kernel_choice", lambda self, device: "triton")
     model = small_model(family)
@@ -52,8 +52,11 @@ def test_static_kv_generation_with_the_gpu_plan_equals_hf(family, tp, monkeypatc
     program = mesh.ranks[0]._generation["static_decode"]
     attention_layers = sum(1 for spec in program.state_specs if spec.kind == "key")
     assert program.cache_position_report["counter_bumps"] == attention_layers
-    rotary = [n for n in program.graph.nodes if "rotary" in getattr(n.target, "__name__", "")]
-    assert len(rotary) == attention_layers and all(len(n.args[0]) == 2 for n in rotary)
+    assert program.attention_mask_report == {"attention_calls": attention_layers, "masks": 1}
+    # q and k's rotary embedding and the two cache writes, one call a layer (fuse_rotary, fuse_cache_write).
+    fused = [n for n in program.graph.nodes if n.target is fuse_cache_write.rotary_into_cache_kernel]
+    assert len(fused) == attention_layers and program.cache_write_report == {"layers": attention_layers}
+    assert not any(n.target is aten.index_copy_.default for n in program.graph.nodes)
 
 
 def _traced(fn, *inputs):
@@ -111,9 +114,6 @@ def test_folds_only_unread_advances_and_unwritten_inputs(fn, folds):
 
 
 def test_plan_runs_it_before_the_kernel_swap_and_skip_passes_leaves_it_out():
-    def steps(plan):
-        return [s if isinstance(s, str) else s[0]
-                for s in plan.pipeline("decode", placements={}, rank=0, group="g", kernels="triton")]
-
-    assert steps(ssmshard.Plan()).index("fold_cache_positions") == steps(ssmshard.Plan()).index("swap_kernels") - 1
-    assert "fold_cache_positions" not in steps(ssmshard.Plan(skip_passes=["fold_cache_positions"]))
+    decode = pipeline_steps(ssmshard.Plan())
+    assert decode.index("fuse_rotary") < decode.index("fold_cache_positions") < decode.index("swap_kernels")
+    assert "fold_cache_positions" not in pipeline_steps(ssmshard.Plan(skip_passes=["fold_cache_positions"]))

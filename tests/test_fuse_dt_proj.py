@@ -16,7 +16,7 @@ from ssmshard.kernels import state_update as ksu
 from ssmshard.passes import run_pipeline
 from ssmshard.testing import rel_err
 
-from conftest import simulated_gpu_plan_generation, small_model
+from conftest import pipeline_steps, simulated_gpu_plan_generation, small_model
 from test_decode_passes import INFERENCE_PASSES, decode_step_by_step, greedy_tokens_and_hf
 from test_kernel_selective_scan import DEVICE, FP32_TOL, to_cpu, to_device
 from test_ops import seq_state_update
@@ -133,14 +133,10 @@ def test_fuse_dt_proj_leaves_mamba2_and_other_programs_alone():
 
 
 def test_plan_runs_it_after_decode_gemv_and_skip_passes_leaves_it_out():
-    def steps(plan, mode):
-        return [s if isinstance(s, str) else s[0]
-                for s in plan.pipeline(mode, placements={}, rank=0, group="g", kernels="triton")]
-
-    decode = steps(ssmshard.Plan(), "decode")
+    decode = pipeline_steps(ssmshard.Plan(), "decode")
     assert decode.index("decode_gemv") + 1 == decode.index("fuse_dt_proj") < decode.index("swap_kernels")
-    assert "fuse_dt_proj" not in steps(ssmshard.Plan(), "prefill")
-    assert "fuse_dt_proj" not in steps(ssmshard.Plan(skip_passes=["fuse_dt_proj"]), "decode")
+    assert "fuse_dt_proj" not in pipeline_steps(ssmshard.Plan(), "prefill")
+    assert "fuse_dt_proj" not in pipeline_steps(ssmshard.Plan(skip_passes=["fuse_dt_proj"]), "decode")
 
 
 def test_sharded_generation_with_the_fold_equals_hf(monkeypatch, fresh_seed):

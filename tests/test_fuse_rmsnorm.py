@@ -12,7 +12,7 @@ from ssmshard.passes.swap_kernels import KERNELS
 from ssmshard.runtime.simulated import SimulatedMesh
 from ssmshard.testing import rel_err
 
-from conftest import small_model
+from conftest import pipeline_steps, small_model
 
 aten, ssm = torch.ops.aten, torch.ops.ssmshard
 NORM_OPS = (ssm.rms_norm.default, ssm.add_rms_norm.default)
@@ -68,25 +68,20 @@ def test_fused_bf16_program_is_the_unfused_one(fresh_seed):
         model.float()
 
 
-def _step_names(plan, mode, kernels):
-    return [s if isinstance(s, str) else s[0] for s in plan.pipeline(mode, placements={}, rank=0, group="g",
-                                                                     kernels=kernels)]
-
-
 def test_pipeline_fuses_inference_programs_only_under_triton():
     plan = ssmshard.Plan()
-    decode = _step_names(plan, "decode", "triton")
+    decode = pipeline_steps(plan, "decode", "triton")
     # then the decode GEMVs and the kernels, then the inference passes
     between = decode[decode.index("fuse_rmsnorm") + 1:decode.index("swap_kernels") + 1]
     assert between == ["decode_gemv", "fuse_dt_proj", "group_decode_linears", "fuse_rotary", "fold_cache_positions",
-                       "swap_kernels"]
-    assert "fuse_rmsnorm" in _step_names(plan, "prefill", "triton")
+                       "hoist_attention_mask", "swap_kernels"]
+    assert "fuse_rmsnorm" in pipeline_steps(plan, "prefill", "triton")
     # Training forward programs keep torch's norms (the fused kernel has no backward).
-    assert "fuse_rmsnorm" not in _step_names(plan, "forward", "triton") + _step_names(plan, "decode", "reference")
-    assert "fuse_rmsnorm" in _step_names(ssmshard.Plan(training=False), "forward", "triton")
+    assert "fuse_rmsnorm" not in pipeline_steps(plan, "forward", "triton") + pipeline_steps(plan, "decode", "reference")
+    assert "fuse_rmsnorm" in pipeline_steps(ssmshard.Plan(training=False), "forward", "triton")
     skipping = ssmshard.Plan(skip_passes=["fuse_rmsnorm"])
-    assert "fuse_rmsnorm" not in _step_names(skipping, "decode", "triton")
-    assert "swap_kernels" in _step_names(skipping, "decode", "triton")
+    assert "fuse_rmsnorm" not in pipeline_steps(skipping, "decode", "triton")
+    assert "swap_kernels" in pipeline_steps(skipping, "decode", "triton")
     for bad in (["propagate"], "fuse_rmsnorm", ["no_such_pass"]):
         with pytest.raises(ssmshard.PlanError, match="skip_passes must list optimisation passes"):
             ssmshard.Plan(skip_passes=bad)

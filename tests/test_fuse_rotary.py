@@ -13,8 +13,8 @@ from ssmshard.kernels import rotary as krotary
 from ssmshard.passes import fuse_rotary as fr, run_pipeline
 from ssmshard.testing import rel_err
 
-from conftest import simulated_gpu_plan_generation, small_model
-from test_decode_passes import INFERENCE_PASSES, decode_step_by_step, greedy_tokens_and_hf
+from conftest import pipeline_steps, simulated_gpu_plan_generation, small_model
+from test_decode_passes import INFERENCE_PASSES, assert_same_logits_and_hf_tokens
 from test_kernel_selective_scan import to_cpu, to_device  # the GPU where there is one, else the interpreter
 
 ssm = torch.ops.ssmshard
@@ -92,10 +92,8 @@ def test_fusion_keeps_logits_and_tokens(family, static_kv, fresh_seed):
         # The static step takes other inputs; its tokens with this pass are checked against HF in
         # tests/test_fold_cache_positions.py (static-K/V generation under the GPU plan's passes).
         return
-    for got, expected in decode_step_by_step(model, plain, fused, fresh_seed)[0]:
-        assert torch.equal(got, expected), where  # the reference op is the captured ops themselves
-    tokens, hf = greedy_tokens_and_hf(model, fused, fresh_seed)
-    assert torch.equal(tokens, hf), where
+    # Equal logits: the reference op is the captured ops themselves.
+    assert_same_logits_and_hf_tokens(model, plain, fused, fresh_seed, where)
 
 
 def test_prefill_and_models_without_rotary_are_left_alone():
@@ -108,13 +106,9 @@ def test_prefill_and_models_without_rotary_are_left_alone():
 
 
 def test_plan_runs_it_before_the_kernel_swap_and_skip_passes_leaves_it_out():
-    def steps(plan):
-        return [s if isinstance(s, str) else s[0]
-                for s in plan.pipeline("decode", placements={}, rank=0, group="g", kernels="triton")]
-
-    decode = steps(ssmshard.Plan())
+    decode = pipeline_steps(ssmshard.Plan())
     assert decode.index("group_decode_linears") < decode.index("fuse_rotary") < decode.index("swap_kernels")
-    assert "fuse_rotary" not in steps(ssmshard.Plan(skip_passes=["fuse_rotary"]))
+    assert "fuse_rotary" not in pipeline_steps(ssmshard.Plan(skip_passes=["fuse_rotary"]))
 
 
 def test_sharded_generation_with_the_fusion_equals_hf(monkeypatch, fresh_seed):

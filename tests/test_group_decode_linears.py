@@ -15,7 +15,7 @@ from ssmshard.kernels import gemv as kgemv
 from ssmshard.passes import group_decode_linears as gdl, run_pipeline
 from ssmshard.testing import rel_err
 
-from conftest import simulated_gpu_plan_generation, small_model
+from conftest import pipeline_steps, simulated_gpu_plan_generation, small_model
 from test_decode_passes import INFERENCE_PASSES, decode_step_by_step, greedy_tokens_and_hf
 from test_kernel_selective_scan import to_cpu, to_device  # the GPU where there is one, else the interpreter
 
@@ -134,13 +134,9 @@ def test_mamba_has_nothing_to_group_and_other_programs_are_left_alone():
 
 
 def test_plan_runs_it_before_the_kernel_swap_and_skip_passes_leaves_it_out():
-    def steps(plan):
-        return [s if isinstance(s, str) else s[0]
-                for s in plan.pipeline("decode", placements={}, rank=0, group="g", kernels="triton")]
-
-    decode = steps(ssmshard.Plan())
+    decode = pipeline_steps(ssmshard.Plan())
     assert decode.index("decode_gemv") < decode.index("group_decode_linears") < decode.index("swap_kernels")
-    assert "group_decode_linears" not in steps(ssmshard.Plan(skip_passes=["group_decode_linears"]))
+    assert "group_decode_linears" not in pipeline_steps(ssmshard.Plan(skip_passes=["group_decode_linears"]))
 
 
 def test_sharded_generation_with_groups_equals_hf(monkeypatch, fresh_seed):

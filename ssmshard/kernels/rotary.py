@@ -17,6 +17,11 @@ One launch serves up to two tensors (a layer's queries and keys, which share cos
 the grid covers the first tensor's blocks of rows, then the second's. A decode step rotates a
 few rows of a few dozen heads, so what the kernel saves is launches: the captured chain is
 five kernels per tensor (two products, the negation, the concatenation, the sum).
+
+``rotary_into_cache`` is the same launch writing the rotated keys, and the values as they are,
+into a static key/value cache at the step's slots (``index_copy_`` along the position dim, two
+more kernels a layer as captured; the ``fuse_cache_write`` pass): a third range of blocks copies
+the values. A cache row is (b, h, s) with s the slot, ``slot[l]`` for the row's position l.
 """
 
 from __future__ import annotations
@@ -37,20 +42,36 @@ BLOCK_ROWS = 16  # rows per program
 
 
 @triton.jit
-def _rotate_block(x_ptr, out_ptr, cos_ptr, sin_ptr, block, rows, H, L,
-                  x_sb, x_sh, x_sl, o_sb, o_sh, o_sl, c_sb, c_sh, c_sl, s_sb, s_sh, s_sl,
-                  HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, DTYPE: tl.constexpr):
-    """Rows ``block * BLOCK_R`` onwards of one tensor; every head dim has unit stride."""
+def _rows(block, L, H, BLOCK_R: tl.constexpr):
+    """Row indices ``block * BLOCK_R`` onwards and their (position, head, batch)."""
     row = (block * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    pos = row % L
-    head = (row // L) % H
-    batch = row // (L * H)
+    return row, row % L, (row // L) % H, row // (L * H)
+
+
+@triton.jit
+def _out_position(slot_ptr, pos, live, AT_SLOT: tl.constexpr):
+    """Where a row of position ``pos`` is written: ``slot[pos]`` into a cache, else ``pos``."""
+    if AT_SLOT:
+        out_pos = tl.load(slot_ptr + pos, mask=live, other=0)
+    else:
+        out_pos = pos
+    return out_pos
+
+
+@triton.jit
+def _rotate_block(x_ptr, out_ptr, cos_ptr, sin_ptr, slot_ptr, block, rows, H, L,
+                  x_sb, x_sh, x_sl, o_sb, o_sh, o_sl, c_sb, c_sh, c_sl, s_sb, s_sh, s_sl,
+                  HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, DTYPE: tl.constexpr,
+                  AT_SLOT: tl.constexpr):
+    """Rows ``block * BLOCK_R`` onwards of one tensor; every head dim has unit stride."""
+    row, pos, head, batch = _rows(block, L, H, BLOCK_R)
     col = tl.arange(0, BLOCK_HALF)
     mask = (row < rows)[:, None] & (col < HALF)[None, :]
+    out_pos = _out_position(slot_ptr, pos, row < rows, AT_SLOT)
     x_at = (batch * x_sb + head * x_sh + pos * x_sl)[:, None] + col[None, :]
     c_at = (batch * c_sb + head * c_sh + pos * c_sl)[:, None] + col[None, :]
     s_at = (batch * s_sb + head * s_sh + pos * s_sl)[:, None] + col[None, :]
-    o_at = (batch * o_sb + head * o_sh + pos * o_sl)[:, None] + col[None, :]
+    o_at = (batch * o_sb + head * o_sh + out_pos * o_sl)[:, None] + col[None, :]
     lo = tl.load(x_ptr + x_at, mask=mask, other=0.0).to(tl.float32)
     hi = tl.load(x_ptr + x_at + HALF, mask=mask, other=0.0).to(tl.float32)
     cos_lo = tl.load(cos_ptr + c_at, mask=mask, other=0.0).to(tl.float32)
@@ -64,26 +85,44 @@ def _rotate_block(x_ptr, out_ptr, cos_ptr, sin_ptr, block, rows, H, L,
 
 
 @triton.jit
+def _copy_block(x_ptr, out_ptr, slot_ptr, block, rows, H, L, x_sb, x_sh, x_sl, o_sb, o_sh, o_sl,
+                P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Rows ``block * BLOCK_R`` onwards of x copied to their slots of the cache ``out``."""
+    row, pos, head, batch = _rows(block, L, H, BLOCK_R)
+    col = tl.arange(0, BLOCK_P)
+    mask = (row < rows)[:, None] & (col < P)[None, :]
+    out_pos = _out_position(slot_ptr, pos, row < rows, True)
+    values = tl.load(x_ptr + (batch * x_sb + head * x_sh + pos * x_sl)[:, None] + col[None, :], mask=mask)
+    tl.store(out_ptr + (batch * o_sb + head * o_sh + out_pos * o_sl)[:, None] + col[None, :], values, mask=mask)
+
+
+@triton.jit
 def _rotary_kernel(
-    cos_ptr, sin_ptr,
+    cos_ptr, sin_ptr, slot_ptr,
     x0_ptr, out0_ptr, rows0, H0, L0, x0_sb, x0_sh, x0_sl, o0_sb, o0_sh, o0_sl,
     c0_sb, c0_sh, c0_sl, s0_sb, s0_sh, s0_sl,
     x1_ptr, out1_ptr, rows1, H1, L1, x1_sb, x1_sh, x1_sl, o1_sb, o1_sh, o1_sl,
     c1_sb, c1_sh, c1_sl, s1_sb, s1_sh, s1_sl,
-    blocks0,
+    v_ptr, v_out_ptr, rows2, H2, L2, v_sb, v_sh, v_sl, vo_sb, vo_sh, vo_sl,
+    blocks0, blocks1,
     HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, DTYPE: tl.constexpr,
-    PDL: tl.constexpr,
+    INTO_CACHE: tl.constexpr, PDL: tl.constexpr,
 ):
+    """Blocks of the first tensor, then of the second (written at the slots when ``INTO_CACHE``),
+    then (``INTO_CACHE`` only) of the values copied into their cache."""
     start_dependents_then_wait(PDL)  # kernels/pdl.py: x, cos and sin all come from kernels before
     block = tl.program_id(0)
     if block < blocks0:
-        _rotate_block(x0_ptr, out0_ptr, cos_ptr, sin_ptr, block, rows0, H0, L0,
+        _rotate_block(x0_ptr, out0_ptr, cos_ptr, sin_ptr, slot_ptr, block, rows0, H0, L0,
                       x0_sb, x0_sh, x0_sl, o0_sb, o0_sh, o0_sl, c0_sb, c0_sh, c0_sl, s0_sb, s0_sh, s0_sl,
-                      HALF, BLOCK_R, BLOCK_HALF, DTYPE)
-    else:
-        _rotate_block(x1_ptr, out1_ptr, cos_ptr, sin_ptr, block - blocks0, rows1, H1, L1,
+                      HALF, BLOCK_R, BLOCK_HALF, DTYPE, False)
+    elif block < blocks0 + blocks1:
+        _rotate_block(x1_ptr, out1_ptr, cos_ptr, sin_ptr, slot_ptr, block - blocks0, rows1, H1, L1,
                       x1_sb, x1_sh, x1_sl, o1_sb, o1_sh, o1_sl, c1_sb, c1_sh, c1_sl, s1_sb, s1_sh, s1_sl,
-                      HALF, BLOCK_R, BLOCK_HALF, DTYPE)
+                      HALF, BLOCK_R, BLOCK_HALF, DTYPE, INTO_CACHE)
+    elif INTO_CACHE:
+        _copy_block(v_ptr, v_out_ptr, slot_ptr, block - blocks0 - blocks1, rows2, H2, L2,
+                    v_sb, v_sh, v_sl, vo_sb, vo_sh, vo_sl, 2 * HALF, BLOCK_R, 2 * BLOCK_HALF)
 
 
 def _check(xs: List[Tensor], cos: Tensor, sin: Tensor) -> None:
@@ -108,9 +147,22 @@ def _unit_head_dim(t: Tensor) -> Tensor:
 def _tensor_args(x: Tensor, out: Tensor, cos: Tensor, sin: Tensor) -> list:
     """One tensor's arguments of ``_rotary_kernel``: pointers, rows, sizes and the (b, h, l) strides
     of x, out and of cos and sin broadcast to x (stride 0 where they broadcast)."""
-    b, h, l, _ = x.shape
     cos_b, sin_b = cos.expand(x.shape), sin.expand(x.shape)
-    return [x, out, b * h * l, h, l, *x.stride()[:3], *out.stride()[:3], *cos_b.stride()[:3], *sin_b.stride()[:3]]
+    return [*_copy_args(x, out), *cos_b.stride()[:3], *sin_b.stride()[:3]]
+
+
+def _copy_args(x: Tensor, out: Tensor) -> list:
+    """Pointers, rows, sizes and (b, h, l) strides of x and out (out's l stride is per slot)."""
+    b, h, l, _ = x.shape
+    return [x, out, b * h * l, h, l, *x.stride()[:3], *out.stride()[:3]]
+
+
+def _launch(cos, sin, slot, first: list, second: list, values: list, blocks: list, half: int, into_cache: bool):
+    _rotary_kernel[(sum(blocks),)](
+        cos, sin, slot, *first, *second, *values, blocks[0], blocks[1],
+        HALF=half, BLOCK_R=BLOCK_ROWS, BLOCK_HALF=max(next_power_of_2(half), 1), DTYPE=TL_DTYPES[cos.dtype],
+        INTO_CACHE=into_cache, num_warps=4, enable_fp_fusion=False, **launch_options(first[0].device),
+    )
 
 
 def rotary(xs: List[Tensor], cos: Tensor, sin: Tensor) -> List[Tensor]:
@@ -127,14 +179,38 @@ def rotary(xs: List[Tensor], cos: Tensor, sin: Tensor) -> List[Tensor]:
     if any(x.shape[-1] != 2 * half for x in xs):
         return [out for x in xs for out in rotary([x], cos, sin)]
     per_tensor = [_tensor_args(x, out, cos, sin) for x, out in zip(xs, outs)]
-    blocks = [cdiv(args[2], BLOCK_ROWS) for args in per_tensor]
+    blocks = [cdiv(args[2], BLOCK_ROWS) for args in per_tensor] + [0] * (3 - len(xs))
     if sum(blocks) == 0:
         return outs
-    second = per_tensor[-1]  # with one tensor the grid ends at its blocks: the second slot is never read
-    block_half = max(next_power_of_2(half), 1)
-    _rotary_kernel[(sum(blocks),)](
-        cos, sin, *per_tensor[0], *second, blocks[0],
-        HALF=half, BLOCK_R=BLOCK_ROWS, BLOCK_HALF=block_half, DTYPE=TL_DTYPES[cos.dtype],
-        num_warps=4, enable_fp_fusion=False, **launch_options(xs[0].device),
-    )
+    # The grid ends at the tensors' blocks: the unused slots (the last tensor's arguments again,
+    # cos as the slot) are never read.
+    second = per_tensor[-1]
+    _launch(cos, sin, cos, per_tensor[0], second, second[:11], blocks, half, into_cache=False)
     return outs
+
+
+def rotary_into_cache(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, slot: Tensor,
+                      key_cache: Tensor, value_cache: Tensor) -> Tensor:
+    """q (b, hq, l, p) rotated, returned; k (b, h, l, p) rotated and written to
+    ``key_cache[:, :, slot]``, v (b, h, l, p) written to ``value_cache[:, :, slot]`` (caches
+    (b, h, s, p), ``slot`` (l,) int64): ``rotary([q, k])`` and the two ``index_copy_(2, slot, ...)``
+    in one launch."""
+    _check([q, k], cos, sin)
+    for name, cache, x in (("key", key_cache, k), ("value", value_cache, v)):
+        if (cache.dim() != 4 or x.dim() != 4 or cache.shape[:2] != x.shape[:2] or cache.shape[3] != k.shape[3]
+                or x.shape[3] != k.shape[3] or cache.dtype != k.dtype or x.dtype != k.dtype or cache.stride(-1) != 1):
+            raise ValueError(f"rotary_into_cache: the {name} cache {tuple(cache.shape)} ({cache.dtype}) must be "
+                             f"(b, h, s, p) with unit-stride p for {name}s {tuple(x.shape)} ({x.dtype}) of keys "
+                             f"{tuple(k.shape)} ({k.dtype})")
+    if slot.dtype != torch.int64 or slot.shape != (k.shape[2],) or v.shape[2] != k.shape[2]:
+        raise ValueError(f"rotary_into_cache: slot must be int64 ({k.shape[2]},) for {k.shape[2]} positions, "
+                         f"got {slot.dtype} {tuple(slot.shape)} (values of {v.shape[2]} positions)")
+    cos, sin = _unit_head_dim(cos), _unit_head_dim(sin)
+    q, k, v = (_unit_head_dim(x) for x in (q, k, v))
+    q_out = torch.empty_like(q)
+    first, second = _tensor_args(q, q_out, cos, sin), _tensor_args(k, key_cache, cos, sin)
+    values = _copy_args(v, value_cache)
+    blocks = [cdiv(args[2], BLOCK_ROWS) for args in (first, second, values)]
+    if sum(blocks):
+        _launch(cos, sin, slot.contiguous(), first, second, values, blocks, k.shape[-1] // 2, into_cache=True)
+    return q_out
