@@ -25,13 +25,15 @@ ssm = torch.ops.ssmshard
 aten = torch.ops.aten
 
 
-def _layer(b, hq, h, l, p, s, dtype, generator):
+def _layer(b, hq, h, l, p, s, dtype, generator, value_head_dim=None):
     """q, k, v as attention hands them ((b, l, h, p) projections viewed as (b, h, l, p)), cos, sin,
-    distinct slots and two caches."""
-    q, k, v = (torch.randn(b, l, heads, p, generator=generator).to(dtype).transpose(1, 2) for heads in (hq, h, h))
+    distinct slots and two caches (values of ``value_head_dim``, default p)."""
+    pv = value_head_dim or p
+    q, k, v = (torch.randn(b, l, heads, dim, generator=generator).to(dtype).transpose(1, 2)
+               for heads, dim in ((hq, p), (h, p), (h, pv)))
     cos, sin = (t.unsqueeze(1) for t in _tables(b, l, p, dtype, generator))
     slot = torch.randperm(s, generator=generator)[:l]
-    caches = [torch.randn(b, h, s, p, generator=generator).to(dtype) for _ in range(2)]
+    caches = [torch.randn(b, h, s, dim, generator=generator).to(dtype) for dim in (p, pv)]
     return [q, k, v, cos, sin, slot, *caches]
 
 
@@ -93,19 +95,23 @@ def _annotated(graph, inputs):
     return module
 
 
-@pytest.mark.parametrize("read_between", [False, True])
-def test_pass_fuses_the_layer_unless_a_cache_is_read_between_the_writes(read_between, fresh_seed):
-    inputs = _layer(2, 4, 2, 1, 8, 6, torch.float32, torch.Generator().manual_seed(fresh_seed))
+@pytest.mark.parametrize("case", ["fused", "read_between", "other_value_head_dim"])
+def test_pass_fuses_the_layer_only_where_the_kernel_writes_the_same(case, fresh_seed):
+    """Fused: the same outputs. Left alone: a key cache read between the writes, values of another
+    head dim than the keys (the kernel copies them with the keys' head dim)."""
+    inputs = _layer(2, 4, 2, 1, 8, 6, torch.float32, torch.Generator().manual_seed(fresh_seed),
+                    value_head_dim=4 if case == "other_value_head_dim" else None)
+    read_between = case == "read_between"
     expected = _annotated(_layer_graph(read_between), inputs)(*[t.clone() for t in inputs])
     module = _annotated(_layer_graph(read_between), inputs)
     program = types.SimpleNamespace(mode="decode", graph=module.graph)
     fcw.fuse_cache_write(program, None)
     module.recompile()
     fused = [n for n in module.graph.nodes if n.target is fcw.rotary_into_cache_kernel]
-    assert program.cache_write_report == {"layers": 0 if read_between else 1} and len(fused) == (not read_between)
+    assert program.cache_write_report == {"layers": int(case == "fused")} and len(fused) == (case == "fused")
     got = module(*[t.clone() for t in inputs])
     for g, e in zip(got, expected):
-        assert torch.equal(g, e), (read_between, fresh_seed)
+        assert torch.equal(g, e), (case, fresh_seed)
 
 
 def test_plan_runs_it_after_the_in_place_states_and_skip_passes_leaves_it_out():

@@ -11,7 +11,7 @@ where ``round`` is the cast to x's dtype torch makes after each op (``kernels/ro
 product of two bfloat16 or float16 values is exact in float32, so each rounded product is
 torch's bit for bit; float32 products are not fused into the sum (``enable_fp_fusion=False``).
 
-Dimension letters: b batch, h heads, l positions, p head dim; a row is one (b, h, l).
+Dimension letters: b batch, h heads, l positions, p head dim, s cache slots; a row is one (b, h, l).
 
 One launch serves up to two tensors (a layer's queries and keys, which share cos and sin):
 the grid covers the first tensor's blocks of rows, then the second's. A decode step rotates a
@@ -194,7 +194,9 @@ def rotary_into_cache(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
     """q (b, hq, l, p) rotated, returned; k (b, h, l, p) rotated and written to
     ``key_cache[:, :, slot]``, v (b, h, l, p) written to ``value_cache[:, :, slot]`` (caches
     (b, h, s, p), ``slot`` (l,) int64): ``rotary([q, k])`` and the two ``index_copy_(2, slot, ...)``
-    in one launch."""
+    in one launch. The slots are not checked against s on the device (a check would read them on
+    the host inside a CUDA graph): the static-K/V runtime checks the positions a generation writes
+    before it starts (``runtime/static_kv.py``)."""
     _check([q, k], cos, sin)
     for name, cache, x in (("key", key_cache, k), ("value", value_cache, v)):
         if (cache.dim() != 4 or x.dim() != 4 or cache.shape[:2] != x.shape[:2] or cache.shape[3] != k.shape[3]

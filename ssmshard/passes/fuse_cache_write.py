@@ -18,9 +18,10 @@ of the same launch) and elsewhere the reference ops. The values written are the 
 Where it applies: a rotary node on the Triton kernel (``swap_kernels``' adapter, not the
 reference ``Plan(compile=True)`` leaves to Inductor) rotating two tensors, its second output read
 only by an ``index_copy_`` of a 4-D cache along dim 2, and the attention reading that cache also
-reading, as its value, an ``index_copy_`` of a cache of the same slot and dtype. The fused call
-stands where the later copy stood; every node reading a cache between the old and the new write,
-or the rotated queries before it, keeps the program as it was. Decode programs under the Triton
+reading, as its value, an ``index_copy_`` of a cache of the same slot, dtype and head dim (the
+head dim contiguous, as the kernel needs). The fused call stands where the later copy stood;
+every node reading a cache between the old and the new write, or the rotated queries before it,
+keeps the program as it was. Decode programs under the Triton
 kernels, after ``inplace_decode_states`` (which must still see the copies writing into clones).
 ``program.cache_write_report`` counts the fused layers. ``Plan(skip_passes=["fuse_cache_write"])``
 turns it off.
@@ -69,6 +70,18 @@ def _cache_write(node):
     if not isinstance(value, torch.Tensor) or value.dim() != 4 or dim not in (2, -2):
         return None
     return cache, slot, x
+
+
+def _writable(match) -> bool:
+    """What ``kernels.rotary.rotary_into_cache`` serves, known from the fake values: caches of the
+    keys' dtype and head dim, the head dim contiguous, values of the same head dim."""
+    key_cache, value_cache, k, v = (value_of(n) for n in (match["key"][0], match["value"][0],
+                                                          match["key"][2], match["value"][2]))
+    if not all(isinstance(t, torch.Tensor) for t in (key_cache, value_cache, k, v)):
+        return False
+    head_dim = k.shape[-1]
+    return (all(t.shape[-1] == head_dim and t.dtype == k.dtype for t in (key_cache, value_cache, v))
+            and key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1)
 
 
 def _match(rotary):
@@ -140,7 +153,7 @@ def fuse_cache_write(program, ctx):
         for rotary in [n for n in graph.nodes if calls(n, adapter)]:
             match = _match(rotary)
             order = node_order(graph)
-            if match is not None and _safe(match, order):
+            if match is not None and _writable(match) and _safe(match, order):
                 _fuse(graph, match, order)
                 fused += 1
     program.cache_write_report = {"layers": fused}
