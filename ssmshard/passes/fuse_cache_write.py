@@ -9,8 +9,8 @@ step runs, per layer::
     value_cache.index_copy_(2, slot, v)              # one launch
     attention(q_rot, key_cache, value_cache, ...)
 
-The two copies are a few kilobytes each, 2.8 us a layer apiece at batch 64 on an H200
-(benchmarks/results/attention_decode/): launches, not bytes. The pass makes the three one call
+The two copies move 128 KiB each at batch 64 of a Llama-3-8B-sized layer and took 2.8 us
+apiece on an H200 (benchmarks/results/attention_decode/): launches, not bytes. The pass makes the three one call
 of ``rotary_into_cache_kernel``, which on CUDA tensors runs ``kernels.rotary.rotary_into_cache``
 (the rotated keys stored straight at their slots, the values copied by a third range of blocks
 of the same launch) and elsewhere the reference ops. The values written are the same bits.
