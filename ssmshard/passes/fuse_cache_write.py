@@ -34,13 +34,11 @@ import operator
 import torch
 
 from .manager import register
-from .shard.context import calls, node_order, value_of
+from .shard.context import calls, data_readers, node_order, value_of
 from .swap_kernels import KERNELS, _on_gpu
 
 aten = torch.ops.aten
 ssm = torch.ops.ssmshard
-# Reading a tensor's shape does not read its data.
-_SHAPE_QUERIES = (aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default, aten.sym_storage_offset.default)
 
 
 def rotary_into_cache_kernel(q, k, v, cos, sin, slot, key_cache, value_cache):
@@ -112,7 +110,7 @@ def _safe(match, order) -> bool:
         return False
     for write in writes:  # a reader between a write's old place and the new one would see the old cache
         cache = write.args[0]
-        readers = [u for u in (*cache.users, *write.users) if u not in writes and u.target not in _SHAPE_QUERIES]
+        readers = [u for u in (*data_readers(cache), *data_readers(write)) if u not in writes]
         if any(order[write] < order[u] <= at for u in readers):
             return False
     return True

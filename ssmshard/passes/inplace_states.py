@@ -30,16 +30,10 @@ import torch
 from ..ops import SIGNATURES
 from .manager import register
 from .kernel_ops import opaque_state_writer
+from .shard.context import data_readers  # shape queries do not see a state change
 from .swap_kernels import KERNEL_OPS, KERNELS, _on_gpu
 
 _CLONE = torch.ops.aten.clone.default
-# Reading a tensor's shape does not read its data: such users do not see the state change.
-_SHAPE_QUERIES = {torch.ops.aten.sym_size.int, torch.ops.aten.sym_stride.int, torch.ops.aten.sym_numel.default,
-                  torch.ops.aten.sym_storage_offset.default}
-
-
-def _data_readers(node: torch.fx.Node) -> list[torch.fx.Node]:
-    return [u for u in node.users if u.target not in _SHAPE_QUERIES]
 _COPY = torch.ops.aten.copy_.default
 ssm = torch.ops.ssmshard
 
@@ -106,7 +100,7 @@ def _write_in_op(copy: torch.fx.Node, placeholder: torch.fx.Node) -> bool:
     # The op reads the state and writes the new one; any other reader of the input after it
     # would see the new state (before the rewrite it saw the old until the copy_).
     order = {n: i for i, n in enumerate(op.graph.nodes)}
-    if any(order[u] > order[op] and u is not copy for u in _data_readers(placeholder)):
+    if any(order[u] > order[op] and u is not copy for u in data_readers(placeholder)):
         return False
     op.target = target
     copy.replace_all_uses_with(new_state)
@@ -156,7 +150,7 @@ def inplace_decode_states(program, ctx):
     rewritten, written_by_op = [], []
     for index, (placeholder, value) in enumerate(zip(state_placeholders(program), returned)):
         clone = _mutated_clone(value)
-        if clone is None or clone.args[0] is not placeholder or _data_readers(placeholder) != [clone]:
+        if clone is None or clone.args[0] is not placeholder or data_readers(placeholder) != [clone]:
             continue
         clone.replace_all_uses_with(placeholder)
         program.graph.erase_node(clone)

@@ -72,6 +72,16 @@ def node_order(graph) -> dict:
     return {node: i for i, node in enumerate(graph.nodes)}
 
 
+# Reading a tensor's shape does not read its data.
+_SHAPE_QUERIES = {torch.ops.aten.sym_size.int, torch.ops.aten.sym_stride.int, torch.ops.aten.sym_numel.default,
+                  torch.ops.aten.sym_storage_offset.default}
+
+
+def data_readers(node) -> list:
+    """The nodes reading ``node``'s data (its users but those asking only for its shape)."""
+    return [u for u in node.users if u.target not in _SHAPE_QUERIES]
+
+
 def single_user(node):
     """The one node reading ``node``; None when it is not a node or has no or several readers."""
     return next(iter(node.users)) if isinstance(node, torch.fx.Node) and len(node.users) == 1 else None
