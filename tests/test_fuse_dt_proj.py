@@ -71,14 +71,17 @@ def test_folded_state_update_equals_a_float64_step(b, grouped, fresh_seed):
 def test_folded_state_update_in_bfloat16_rounds_dt_as_the_projection_did(fresh_seed):
     # bf16 activations and weight, float32 state: dt is rounded to bf16 before the softplus, as
     # the projection's bf16 output was. Against float64 with that rounding: the bf16 output's
-    # own rounding (the interpreter truncates: a full ulp, 2^-7; a GPU rounds, 2^-8).
+    # own rounding (the interpreter truncates: a full ulp, 2^-7; a GPU rounds, 2^-8), plus what a
+    # one-ulp flip of one channel's dt does (dt is rounded from float32 here, from float64 there):
+    # it moves that channel's state, and so the output, by about 2^-8 relative (seed 2838535213:
+    # 0.0083 on the interpreter, above 2^-7 alone).
     args = _mamba1_step(2, 16, 16, 8, dtype=torch.bfloat16)
     state, x, low, weight, A, B, C, D, z, dt_bias = args
     out, new = to_cpu(*ksu.selective_state_update(*to_device(state, x, low, A, B, C, D, z, dt_bias), True,
                                                   dt_proj_weight=to_device(weight)[0]))
     out_ref, new_ref = _float64_step(*args)
-    assert out.dtype == torch.bfloat16 and rel_err(out, out_ref) <= (2.0**-8 if DEVICE == "cuda" else 2.0**-7)
-    # dt's rounding is shared; a one-ulp flip of one channel's dt moves its state by about 2^-8 relative.
+    own_rounding = 2.0**-8 if DEVICE == "cuda" else 2.0**-7
+    assert out.dtype == torch.bfloat16 and rel_err(out, out_ref) <= own_rounding + 2.0**-8, fresh_seed
     assert rel_err(new, new_ref) <= 2.0**-7, fresh_seed
 
 
