@@ -7,7 +7,8 @@ and by category, beside the step's wall time (TPOT) and its weight-read floor.
     python benchmarks/decode_profile.py --plot DIR                              # the plot from DIR's JSON
 
 Variants: ``tp1`` (every rank decodes its own copy), ``tp1_unoptimised`` (the same with
-``Plan(skip_passes=OPTIONAL_PASSES)``: what the optimisation passes bring), and with 2 or more processes ``tpN`` (NCCL
+``Plan(skip_passes=OPTIONAL_PASSES)``: what the optimisation passes bring), ``tp1_opt_in`` (with the
+opt-in passes, ``Plan(add_passes=OPT_IN_PASSES)``; only when named in ``--variants``), and with 2 or more processes ``tpN`` (NCCL
 all-reduces) and ``tpN_symm`` (``Plan(allreduce="symm_mem")``: one-shot peer-memory all-reduce).
 Model: ``--model`` (a decode_gpu.py config: Mamba-2.8B by default, Mamba2-2.7B, Zamba2-2.7B,
 Llama-3-8B) with ``--layers`` of its layers, random bf16 weights; ``--variants`` picks variants.
@@ -43,11 +44,11 @@ import torch.distributed as dist
 
 import ssmshard
 from ssmshard.families import BY_NAME
-from ssmshard.plan import OPTIONAL_PASSES
+from ssmshard.plan import OPT_IN_PASSES, OPTIONAL_PASSES
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_gpu import GPU_MODELS, floor_row  # noqa: E402
-from generate_gpu import build_random_model  # noqa: E402
+from generate_gpu import build_random_model, keep_layers  # noqa: E402
 from static_kv_decode_gpu import copy_bandwidth, synchronize  # noqa: E402
 
 MATMUL_KERNELS = ("nvjet", "gemv", "gemm", "splitkreduce", "cutlass", "sm90_xmma")
@@ -119,12 +120,14 @@ def tpot_ms(generate, new_tokens: int, repeats: int, device) -> float:
 
 def variants(world: int, smoke: bool, only=None) -> dict:
     plans = {"tp1": ssmshard.Plan(tp=1, training=False),
-             "tp1_unoptimised": ssmshard.Plan(tp=1, training=False, skip_passes=list(OPTIONAL_PASSES))}
+             "tp1_unoptimised": ssmshard.Plan(tp=1, training=False, skip_passes=list(OPTIONAL_PASSES)),
+             "tp1_opt_in": ssmshard.Plan(tp=1, training=False, add_passes=list(OPT_IN_PASSES))}
     if world > 1:
         plans[f"tp{world}"] = ssmshard.Plan(tp=world, training=False)
         if not smoke:
             plans[f"tp{world}_symm"] = ssmshard.Plan(tp=world, training=False, allreduce="symm_mem")
-    return {name: plan for name, plan in plans.items() if not only or name in only}
+    # tp1_opt_in only when named: not part of the default set
+    return {name: plan for name, plan in plans.items() if (name in only if only else name != "tp1_opt_in")}
 
 
 def run(args) -> dict:
@@ -132,7 +135,7 @@ def run(args) -> dict:
     device = torch.device("cuda", rank % torch.cuda.device_count()) if not args.smoke else torch.device("cpu")
     solo = [dist.new_group([r]) for r in range(world)]
     config = BY_NAME["mamba"].make_config() if args.smoke else GPU_MODELS[args.model]()
-    config.num_hidden_layers = min(config.num_hidden_layers, args.layers)
+    config = keep_layers(config, args.layers)  # a hybrid's layer pattern too
     bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
     results = {}
     for name, plan in variants(world, args.smoke, args.variants).items():
@@ -211,7 +214,7 @@ def parse_args(argv=None):
     parser.add_argument("--plot", metavar="DIR", help="only draw the plot from DIR/decode_profile.json")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny Mamba, fp32: checks the script")
     parser.add_argument("--model", choices=sorted(GPU_MODELS), default="mamba-2.8b")
-    parser.add_argument("--variants", nargs="+", help="only these variants (tp1, tp1_unoptimised, tpN, tpN_symm)")
+    parser.add_argument("--variants", nargs="+", help="only these variants (tp1, tp1_unoptimised, tp1_opt_in, tpN, tpN_symm)")
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--prompt", type=int, default=64)

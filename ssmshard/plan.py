@@ -28,6 +28,8 @@ from .token_layout import ORDERS as TSP_ORDERS
 OPTIONAL_PASSES = ("fuse_rmsnorm", "decode_gemv", "fuse_dt_proj", "group_decode_linears", "fuse_rotary",
                    "fold_cache_positions", "hoist_attention_mask", "inplace_decode_states", "fuse_cache_write",
                    "fold_weights")
+# Passes a plan runs only when asked (``Plan(add_passes=[...])``): measured, not faster everywhere.
+OPT_IN_PASSES = ("decode_attention",)
 # How a linear layer under Plan(tsp=D) reads a sharded weight (docs/tsp.md).
 TSP_WEIGHT_SCHEDULES = ("gather", "ring")
 TSP_LOGITS = ("gathered", "local")
@@ -124,6 +126,10 @@ class Plan:
     ``-exp(A_log.float())`` and casts of weights computed once per binding of the weights instead
     of every call: decode always, prefill and chunk when ``training=False``, forward programs
     never, since gradients must reach the weights). docs/decode.md.
+    ``add_passes``: passes (``OPT_IN_PASSES``) a plan runs only when asked: ``decode_attention`` (a
+    decode step's one-position attention on ssmshard's Triton kernel instead of PyTorch's SDPA
+    backend; under the Triton kernels). Faster per call than cuDNN at most measured shapes, but the
+    graphed steps measured were not faster with it (docs/decode.md, "Decode attention").
 
     ``compile``: run every program of the plan through ``torch.compile`` (Inductor), the SSM kernels,
     norms and collectives kept as opaque ops and the glue between them fused; each program compiles
@@ -153,6 +159,8 @@ class Plan:
     # Optimisation passes to leave out (``OPTIONAL_PASSES``): to compare against, or to rule one out
     # when a program misbehaves. The sharding and sync-point passes are the plan itself.
     skip_passes: list = dataclasses.field(default_factory=list)
+    # Passes run only when asked (``OPT_IN_PASSES``).
+    add_passes: list = dataclasses.field(default_factory=list)
     compile: bool = False
 
     def __post_init__(self):
@@ -204,6 +212,9 @@ class Plan:
             raise PlanError(f"skip_passes must list optimisation passes ({', '.join(OPTIONAL_PASSES)}), "
                             f"got {self.skip_passes!r}")
         self.skip_passes = list(self.skip_passes)
+        if isinstance(self.add_passes, str) or not all(name in OPT_IN_PASSES for name in self.add_passes):
+            raise PlanError(f"add_passes must list opt-in passes ({', '.join(OPT_IN_PASSES)}), got {self.add_passes!r}")
+        self.add_passes = list(self.add_passes)
         if self.drop_syncs and self.sequence_parallel:
             raise PlanError("drop_syncs with sequence_parallel=True: sequence parallelism reduce-scatters the "
                             "residual stream, and only all-reduce sync points can be dropped; use one or the other")
@@ -252,7 +263,8 @@ class Plan:
         boolean attention mask made additive once a step) and ``swap_kernels`` (it only retargets SSM ops);
         then the inference passes (``inference_steps``) and, for decode programs under the Triton
         kernels, ``fuse_cache_write`` (the rotary kernel writing keys and values into the static
-        cache). ``runtime.pipeline.shard_program`` runs them; ``ssmshard inspect`` and the runtime both go through it. Under ``tsp``, forward programs are the ``tsp`` pass's;
+        cache), and ``decode_attention`` (the one-position attention on its own kernel) when
+        ``add_passes`` asks for it. ``runtime.pipeline.shard_program`` runs them; ``ssmshard inspect`` and the runtime both go through it. Under ``tsp``, forward programs are the ``tsp`` pass's;
         ``sequence_sharded=True`` asks for it on a prefill program too (the TSP prefill, whose
         states feed the tensor-parallel decode program: docs/tsp.md)."""
         from .passes.shard import sharding_steps
@@ -286,6 +298,8 @@ class Plan:
         steps += self.inference_steps(mode)
         if kernels == "triton" and mode == "decode":  # after inplace_decode_states, on the rotary kernel
             steps.append(("fuse_cache_write", {}))
+            if "decode_attention" in self.add_passes:  # after fuse_cache_write, which matches SDPA nodes
+                steps.append(("decode_attention", {"compile": self.compile}))
         return [step for step in steps if (step if isinstance(step, str) else step[0]) not in self.skip_passes]
 
     def inference_steps(self, mode: str) -> list:

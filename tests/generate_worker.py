@@ -114,17 +114,18 @@ def generate_results(rank, world, families, seed, out_path, argument_families=()
 _KEPT_ALIVE = []  # modules a worker leaves alive, as a user script's globals would be at its end
 
 
-def graphed_vs_eager(rank, world, family, seed, out_path, leave_alive=False, layers=None):
+def graphed_vs_eager(rank, world, family, seed, out_path, leave_alive=False, layers=None, add_passes=()):
     """Greedy tokens of eager and CUDA-graph decoding (twice: capture, then replay) on GPUs, and
     HF's; then the graph replayed across a batch whose rows finish at different steps.
     ``leave_alive``: return with the module (and its graphs) still alive, as a script's globals
     are at its end: ``launch``'s teardown must release the graphs (NCCL's would wait forever).
-    ``layers``: a model of that many decoder layers instead of the small model's own count."""
+    ``layers``: a model of that many decoder layers instead of the small model's own count.
+    ``add_passes``: opt-in passes the plan runs too (``Plan(add_passes=...)``)."""
     from finishing_rows import finishing_rows
 
     model = small_model(family, **({} if layers is None else {"num_hidden_layers": layers})).cuda()
     try:
-        dm = ssmshard.parallelize(model, ssmshard.Plan(tp=world))
+        dm = ssmshard.parallelize(model, ssmshard.Plan(tp=world, add_passes=list(add_passes)))
         ids, mask = left_padded_prompts(model.config.vocab_size, (5, 12, 9), seed)
         ids, mask = ids.cuda(), mask.cuda()
         eager = dm.generate(ids, mask, max_new_tokens=20, pad_token_id=PAD, cuda_graph=False)

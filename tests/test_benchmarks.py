@@ -22,7 +22,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "benchmarks")
 SCRIPTS = ["allreduce_gpu.py", "bench_capture.py", "compile_gpu.py", "decode_gpu.py", "bench_selective_scan.py", "bench_ssd_scan.py",
-           "bench_causal_conv1d.py", "bench_gemv.py", "bench_state_update.py", "decode_profile.py", "generate_gpu.py", "scaling_gpu.py", "spd_accuracy.py", "spd_recovery.py",
+           "bench_causal_conv1d.py", "bench_decode_attention.py", "bench_gemv.py", "bench_state_update.py", "decode_profile.py", "generate_gpu.py", "scaling_gpu.py", "spd_accuracy.py", "spd_recovery.py",
            "startup.py", "static_kv_decode_gpu.py", "tp_gpu.py",
            "train_packed.py", "train_small_models.py", "tsp_memory.py"]
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -60,6 +60,9 @@ SMOKES = {
                       and all(e["state_exact"] for e in r["update"])),
     "gemv": (["bench_gemv.py", "--out", "{out}/gemv.json"], "gemv.json", "gemv.png",
              lambda r: len(r["rows"]) == 4 and all(row["err_gemv"] < 1e-5 and row["gemv_us"] > 0 for row in r["rows"])),
+    "decode_attention": (["bench_decode_attention.py", "--sweep", "--out", "{out}/da.json"], "da.json", "da.png",
+                         lambda r: {row["batch"] for row in r["rows"]} == {1, 3}
+                         and all(row["rel_err"] < 1e-5 and row["us"] > 0 for row in r["rows"])),
     "state_update": (["bench_state_update.py", "--out", "{out}/su.json"], "su.json", "su.png",
                      lambda r: len(r["rows"]) == 4 and all(row["err_ssmshard"] < 1e-5 and row["ssmshard_us"] > 0
                                                            for row in r["rows"])),

@@ -7,9 +7,9 @@ without it, timed alternately on one GPU in one process.
     PYTHONPATH=$PWD python benchmarks/results/decode_profile/pass_ab_gpu.py --out $OUT --models mamba-2.8b --env SSMSHARD_GEMV_ROWS=1
 
 Variants: the full plan (``all passes``) and, per ``--skip`` argument, ``Plan(skip_passes=[name])``
-(``a+b``: ``skip_passes=[a, b]``),
+(``a+b``: ``skip_passes=[a, b]``), per ``--add`` argument ``Plan(add_passes=[name])`` (an opt-in pass),
 each a ``parallelize`` of the same random bf16 model (``decode_gpu.GPU_MODELS``), and per
-``--env KEY=VALUE`` the full plan with that environment variable set while its graph is captured
+``--env KEY=VALUE`` the full plan (with the ``--add`` passes) with that environment variable set while its graph is captured
 (kernel choices read at capture time, such as ``SSMSHARD_GEMV_ROWS``). Per batch each
 variant generates a few greedy tokens from the same prompt (which captures its decode graph;
 the tokens must agree across variants, else the row says so), then rounds of ``--replays``
@@ -34,7 +34,7 @@ import torch
 
 import ssmshard
 from ssmshard.families import family_of
-from ssmshard.plan import OPTIONAL_PASSES
+from ssmshard.plan import OPT_IN_PASSES, OPTIONAL_PASSES
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # benchmarks/
 from bench_common import init_single_process_group  # noqa: E402
@@ -86,6 +86,8 @@ def main(argv=None):
     parser.add_argument("--models", nargs="+", default=["mamba-2.8b"], choices=sorted(GPU_MODELS))
     parser.add_argument("--skip", nargs="*", default=[], metavar="PASS[+PASS...]",
                         help="one variant per argument, without that pass (or those joined by +)")
+    parser.add_argument("--add", nargs="*", default=[], metavar="PASS",
+                        help="one variant per argument, with that opt-in pass (Plan(add_passes=[PASS]))")
     parser.add_argument("--env", nargs="*", default=[], metavar="KEY=VALUE",
                         help="one variant per setting: the full plan, captured with KEY=VALUE in the environment")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 16, 64])
@@ -98,6 +100,8 @@ def main(argv=None):
     unknown = [name for names in args.skip for name in names.split("+") if name not in OPTIONAL_PASSES]
     if unknown:
         parser.error(f"--skip: unknown passes {unknown}; choose from {', '.join(OPTIONAL_PASSES)}")
+    if any(name not in OPT_IN_PASSES for name in args.add):
+        parser.error(f"--add: choose from {', '.join(OPT_IN_PASSES)}")
     os.makedirs(args.out, exist_ok=True)
     device = torch.cuda.get_device_name()
     init_single_process_group(torch.device("cuda"))
@@ -107,9 +111,11 @@ def main(argv=None):
             variants = {"all passes": (ssmshard.parallelize(model, ssmshard.Plan(tp=1)), {})}
             variants.update({f"without {names}": (ssmshard.parallelize(model, ssmshard.Plan(tp=1, skip_passes=names.split("+"))), {})
                              for names in args.skip})
+            variants.update({f"with {name}": (ssmshard.parallelize(model, ssmshard.Plan(tp=1, add_passes=[name])), {})
+                             for name in args.add})
             for setting in args.env:
                 key, _, value = setting.partition("=")
-                variants[setting] = (ssmshard.parallelize(model, ssmshard.Plan(tp=1)), {key: value})
+                variants[setting] = (ssmshard.parallelize(model, ssmshard.Plan(tp=1, add_passes=args.add)), {key: value})
             for batch in args.batches:
                 results = compare(model, variants, batch, args)
                 base = results["all passes"]["step_ms"]
