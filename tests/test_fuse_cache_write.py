@@ -61,19 +61,21 @@ def test_kernel_rejects_caches_and_slots_it_cannot_write():
         krotary.rotary_into_cache(*to_device(q, k, v, cos, sin, slot.int(), key_cache, value_cache))
 
 
-def _layer_graph(read_between: bool):
+def _layer_graph(read_between: str | None):
     """One attention layer as the pipeline leaves it before this pass: the rotary adapter, the
-    two cache writes and the attention; ``read_between``: a sum of the key cache between the
-    writes (it sees the new key, which the fused call would write only after it)."""
+    two cache writes and the attention. ``read_between``: a sum of the key cache between the
+    writes (``"cache"``), or of a view of it taken before the key write (``"view"``); either sees
+    the new key, which the fused call would write only after it."""
     graph = torch.fx.Graph()
     names = ["q", "k", "v", "cos", "sin", "slot", "key_cache", "value_cache"]
     q, k, v, cos, sin, slot, key_cache, value_cache = (graph.placeholder(n) for n in names)
     rotary = graph.call_function(KERNELS[ssm.rotary.default][0], ([q, k], cos, sin))
     q_rot, k_rot = (graph.call_function(operator.getitem, (rotary, i)) for i in (0, 1))
+    read = key_cache if read_between != "view" else graph.call_function(aten.select.int, (key_cache, 1, 0))
     key_write = graph.call_function(aten.index_copy_.default, (key_cache, 2, slot, k_rot))
     outputs = []
     if read_between:
-        outputs.append(graph.call_function(aten.sum.default, (key_cache,)))
+        outputs.append(graph.call_function(aten.sum.default, (read,)))
     value_write = graph.call_function(aten.index_copy_.default, (value_cache, 2, slot, v))
     attention = graph.call_function(aten.scaled_dot_product_attention.default, (q_rot, key_write, value_write),
                                     {"enable_gqa": True})
@@ -95,13 +97,13 @@ def _annotated(graph, inputs):
     return module
 
 
-@pytest.mark.parametrize("case", ["fused", "read_between", "other_value_head_dim"])
+@pytest.mark.parametrize("case", ["fused", "cache_read_between", "view_read_between", "other_value_head_dim"])
 def test_pass_fuses_the_layer_only_where_the_kernel_writes_the_same(case, fresh_seed):
-    """Fused: the same outputs. Left alone: a key cache read between the writes, values of another
-    head dim than the keys (the kernel copies them with the keys' head dim)."""
+    """Fused: the same outputs. Left alone: the key cache, or a view of it, read between the
+    writes; values of another head dim than the keys (the kernel copies them with the keys' head dim)."""
     inputs = _layer(2, 4, 2, 1, 8, 6, torch.float32, torch.Generator().manual_seed(fresh_seed),
                     value_head_dim=4 if case == "other_value_head_dim" else None)
-    read_between = case == "read_between"
+    read_between = {"cache_read_between": "cache", "view_read_between": "view"}.get(case)
     expected = _annotated(_layer_graph(read_between), inputs)(*[t.clone() for t in inputs])
     module = _annotated(_layer_graph(read_between), inputs)
     program = types.SimpleNamespace(mode="decode", graph=module.graph)

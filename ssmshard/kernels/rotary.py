@@ -157,6 +157,9 @@ def _copy_args(x: Tensor, out: Tensor) -> list:
     return [x, out, b * h * l, h, l, *x.stride()[:3], *out.stride()[:3]]
 
 
+_COPY_ARGUMENTS = 11  # len(_copy_args(...))
+
+
 def _launch(cos, sin, slot, first: list, second: list, values: list, blocks: list, half: int, into_cache: bool):
     _rotary_kernel[(sum(blocks),)](
         cos, sin, slot, *first, *second, *values, blocks[0], blocks[1],
@@ -182,11 +185,17 @@ def rotary(xs: List[Tensor], cos: Tensor, sin: Tensor) -> List[Tensor]:
     blocks = [cdiv(args[2], BLOCK_ROWS) for args in per_tensor] + [0] * (3 - len(xs))
     if sum(blocks) == 0:
         return outs
-    # The grid ends at the tensors' blocks: the unused slots (the last tensor's arguments again,
-    # cos as the slot) are never read.
-    second = per_tensor[-1]
-    _launch(cos, sin, cos, per_tensor[0], second, second[:11], blocks, half, into_cache=False)
+    second = per_tensor[-1]  # one tensor: its arguments again, for a range of no blocks
+    slot, values = _unread_cache_arguments(cos, second)
+    _launch(cos, sin, slot, per_tensor[0], second, values, blocks, half, into_cache=False)
     return outs
+
+
+def _unread_cache_arguments(any_tensor: Tensor, tensor_args: list) -> list:
+    """The slot pointer and the values' copy arguments of a launch that writes no cache: the grid
+    ends before the values' blocks and nothing reads the slot, so any valid pointers and sizes do
+    (``any_tensor`` as the slot, a rotated tensor's first copy arguments as the values)."""
+    return [any_tensor, tensor_args[:_COPY_ARGUMENTS]]
 
 
 def rotary_into_cache(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, slot: Tensor,

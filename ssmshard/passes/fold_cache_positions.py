@@ -30,26 +30,23 @@ import numbers
 import torch
 
 from .manager import register
-from .shard.context import calls, new_node, node_order, value_of
+from .shard.context import aliases, calls, new_node, node_order, value_of
 
 aten = torch.ops.aten
 # Casts that return their input itself when the dtype is already right (aliases, not copies).
 _ALIAS_CASTS = (aten.to.dtype_layout, aten.to.dtype, aten.to.device)
 
 
+def _same_memory_cast(user) -> bool:
+    """A cast that keeps its input's dtype and device, so returns its input itself."""
+    value, source = value_of(user), value_of(user.args[0])
+    return (user.op == "call_function" and user.target in _ALIAS_CASTS and isinstance(value, torch.Tensor)
+            and value.dtype == source.dtype and value.device == source.device)
+
+
 def _aliases(node) -> list:
     """``node`` and the casts reading it that keep its dtype (so return it itself), transitively."""
-    found, frontier = [node], [node]
-    while frontier:
-        node = frontier.pop()
-        for user in node.users:
-            value = value_of(user)
-            if (user.op == "call_function" and user.target in _ALIAS_CASTS and user.args[0] is node
-                    and isinstance(value, torch.Tensor) and value.dtype == value_of(node).dtype
-                    and value.device == value_of(node).device):
-                found.append(user)
-                frontier.append(user)
-    return found
+    return aliases(node, _same_memory_cast)
 
 
 def _is_counter_bump(node, aliases) -> bool:

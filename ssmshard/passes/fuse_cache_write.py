@@ -20,8 +20,8 @@ reference ``Plan(compile=True)`` leaves to Inductor) rotating two tensors, its s
 only by an ``index_copy_`` of a 4-D cache along dim 2, and the attention reading that cache also
 reading, as its value, an ``index_copy_`` of a cache of the same slot, dtype and head dim (the
 head dim contiguous, as the kernel needs). The fused call stands where the later copy stood;
-every node reading a cache between the old and the new write, or the rotated queries before it,
-keeps the program as it was. Decode programs under the Triton
+a node reading a cache (or a view of it) between the old and the new write, or the rotated
+queries before it, keeps the program as it was. Decode programs under the Triton
 kernels, after ``inplace_decode_states`` (which must still see the copies writing into clones).
 ``program.cache_write_report`` counts the fused layers. ``Plan(skip_passes=["fuse_cache_write"])``
 turns it off.
@@ -34,7 +34,7 @@ import operator
 import torch
 
 from .manager import register
-from .shard.context import calls, data_readers, node_order, value_of
+from .shard.context import aliases, calls, data_readers, node_order, value_of
 from .swap_kernels import KERNELS, _on_gpu
 
 aten = torch.ops.aten
@@ -109,8 +109,8 @@ def _safe(match, order) -> bool:
     if any(order[u] <= at for u in match["q"].users):
         return False
     for write in writes:  # a reader between a write's old place and the new one would see the old cache
-        cache = write.args[0]
-        readers = [u for u in (*data_readers(cache), *data_readers(write)) if u not in writes]
+        shared = {*aliases(write.args[0]), *aliases(write)}  # the cache, the write's result, views of either
+        readers = [u for a in shared for u in data_readers(a) if u not in shared and u not in writes]
         if any(order[write] < order[u] <= at for u in readers):
             return False
     return True

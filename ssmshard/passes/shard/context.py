@@ -82,6 +82,30 @@ def data_readers(node) -> list:
     return [u for u in node.users if u.target not in _SHAPE_QUERIES]
 
 
+def returns_view(node) -> bool:
+    """Whether ``node``'s output may share its first argument's memory without writing it (a view,
+    or a cast that may return its input): what its op's schema declares."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None or not schema.returns or not schema.arguments:
+        return False
+    returned, first = schema.returns[0].alias_info, schema.arguments[0].alias_info
+    return (returned is not None and first is not None and not returned.is_write
+            and bool(set(returned.before_set) & set(first.before_set)))
+
+
+def aliases(node, follows=returns_view) -> list:
+    """``node`` and the nodes that share its memory, transitively: users taking it as their first
+    argument for which ``follows(user)`` holds (by default every view the schemas declare)."""
+    found, frontier = [node], [node]
+    while frontier:
+        current = frontier.pop()
+        for user in current.users:
+            if user not in found and user.args and user.args[0] is current and follows(user):
+                found.append(user)
+                frontier.append(user)
+    return found
+
+
 def single_user(node):
     """The one node reading ``node``; None when it is not a node or has no or several readers."""
     return next(iter(node.users)) if isinstance(node, torch.fx.Node) and len(node.users) == 1 else None
