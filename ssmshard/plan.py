@@ -129,7 +129,7 @@ class Plan:
     ``add_passes``: passes (``OPT_IN_PASSES``) a plan runs only when asked: ``decode_attention`` (a
     decode step's one-position attention on ssmshard's Triton kernel instead of PyTorch's SDPA
     backend; under the Triton kernels). Faster per call than cuDNN at most measured shapes, but the
-    graphed steps measured were not faster with it (docs/decode.md, "Decode attention").
+    graphed steps measured were not faster with it (docs/decode.md, the opt-in pass).
 
     ``compile``: run every program of the plan through ``torch.compile`` (Inductor), the SSM kernels,
     norms and collectives kept as opaque ops and the glue between them fused; each program compiles

@@ -7,9 +7,9 @@ query of one position (no dropout, not causal):
     out[b, h] = sum_s softmax_s(scale * q[b, h] . k[b, kv(h), s] + mask[b, h, s]) * v[b, kv(h), s]
 
 with ``kv(h) = h // g``. Scores, softmax and sums are float32; the softmax weights are rounded to
-the values' dtype for the product with the values, as flash attention and cuDNN do. An additive mask is added; a boolean one keeps the positions where it is
-True (PyTorch's two conventions). A row whose positions are all masked out gives zeros, as
-PyTorch's SDPA does.
+the values' dtype for the product with the values, as flash attention and cuDNN do. An additive
+mask is added; a boolean one keeps the positions where it is True (PyTorch's two conventions). A
+row whose positions are all masked out gives zeros, as PyTorch's SDPA does.
 
 Why a kernel of its own: PyTorch picks cuDNN for a bf16 decode step with a mask, and at a head dim
 cuDNN pads (Zamba2's 160, padded to 256) its call took 157.7 us where the bytes of the batch-64
@@ -146,8 +146,9 @@ def _combine_kernel(partial_ptr, stats_ptr, out_ptr, KV, splits, o_sb, o_sh,
 
 def _check(q: Tensor, k: Tensor, v: Tensor, attn_mask, enable_gqa: bool) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[2] != 1:
-        raise ValueError(f"decode_attention: q must be (b, h, 1, p) and k, v (b, k, s, p), got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}, v {tuple(v.shape)} (more query positions: use scaled_dot_product_attention)")
+        raise ValueError(f"decode_attention: q must be (b, h, 1, p) and k, v (b, k, s, p), got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} (more query positions: use "
+                         f"scaled_dot_product_attention)")
     b, h, _, p = q.shape
     if k.shape != v.shape or k.shape[0] != b or k.shape[3] != p:
         raise ValueError(f"decode_attention: k {tuple(k.shape)} and v {tuple(v.shape)} must both be (b, k, s, p) "
@@ -216,7 +217,8 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None =
     mask_kind, mask, mask_strides = 0, q, (0, 0, 0)
     if attn_mask is not None:
         mask = attn_mask.expand(b, h, 1, s)
-        mask_kind, mask_strides = (2 if attn_mask.dtype == torch.bool else 1), (mask.stride(0), mask.stride(1), mask.stride(3))
+        mask_kind = 2 if attn_mask.dtype == torch.bool else 1
+        mask_strides = (mask.stride(0), mask.stride(1), mask.stride(3))
     partial = stats = out
     if splits > 1:
         partial = torch.empty(programs * splits * block_g, block_p, device=q.device, dtype=torch.float32)
