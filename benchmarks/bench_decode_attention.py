@@ -81,7 +81,7 @@ def rel_err(fn, q, cache) -> float:
     return ((fn(q, cache).double() - ref).norm() / ref.norm()).item()
 
 
-def variants(sweep: bool, b: int, kv: int, s: int):
+def variants(sweep: bool, s: int):
     found = {"kernel": kernel()}
     if not bench_common.SMOKE:
         found.update({"sdpa (default)": lambda q, c: F.scaled_dot_product_attention(
@@ -119,7 +119,7 @@ def main(argv=None):
         cache_list = caches(b, kv, s, p, copies, generator)
         q = torch.randn(b, 1, h, p, generator=generator).to(DEVICE, DTYPE).transpose(1, 2)  # (b, h, 1, p) as HF views it
         floor_us = None if bandwidth is None else cache_bytes / bandwidth * 1e6
-        for name, fn in variants(args.sweep and b in (1, 64), b, kv, s).items():
+        for name, fn in variants(args.sweep and b in (1, 64), s).items():
             try:
                 err = rel_err(fn, q, cache_list[0])
                 us = graphed_us(fn, cache_list, q)

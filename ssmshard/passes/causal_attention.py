@@ -28,9 +28,9 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .manager import register
+from .shard.context import sdpa_arguments
 
 aten = torch.ops.aten
-_MASK, _IS_CAUSAL = 3, 5  # positions in scaled_dot_product_attention's schema
 
 
 def full_causal_attention(config) -> bool:
@@ -39,14 +39,11 @@ def full_causal_attention(config) -> bool:
     return getattr(config, "sliding_window", None) is None and not any("sliding" in t for t in layer_types)
 
 
-def _argument(node, index, name, default=None):
-    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
-
-
 def _rewritable(node) -> bool:
     if node.op != "call_function" or node.target is not aten.scaled_dot_product_attention.default:
         return False
-    if _argument(node, _MASK, "attn_mask") is None or _argument(node, _IS_CAUSAL, "is_causal", False):
+    arguments = sdpa_arguments(node)
+    if arguments.get("attn_mask") is None or arguments.get("is_causal", False):
         return False
     query, key = node.args[0].meta.get("val"), node.args[1].meta.get("val")
     return query is not None and key is not None and statically_known_true(query.shape[-2] == key.shape[-2])

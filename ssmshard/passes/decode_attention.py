@@ -30,11 +30,10 @@ import torch
 import torch.nn.functional as F
 
 from .manager import register
-from .shard.context import calls, value_of
+from .shard.context import calls, sdpa_arguments, value_of
 from .swap_kernels import _on_gpu
 
 aten = torch.ops.aten
-_ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")  # SDPA's schema
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the kernel's (kernels/rounding.TL_DTYPES)
 
 
@@ -64,12 +63,6 @@ def _(query, key, value, attn_mask, scale, enable_gqa):
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
-def _arguments(node) -> dict:
-    named = dict(zip(_ARGUMENTS, node.args))
-    named.update(node.kwargs)
-    return named
-
-
 def _served(a: dict) -> bool:
     """What the kernel serves, known from the fake values (module docstring)."""
     q, k, v = (value_of(a[name]) for name in ("query", "key", "value"))
@@ -94,7 +87,7 @@ def decode_attention(program, ctx):
         for node in program.graph.nodes:
             if not calls(node, aten.scaled_dot_product_attention.default):
                 continue
-            a = _arguments(node)
+            a = sdpa_arguments(node)
             if not _served(a):
                 continue
             inputs = (a["query"], a["key"], a["value"], a.get("attn_mask"))

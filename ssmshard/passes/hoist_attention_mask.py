@@ -20,15 +20,15 @@ from __future__ import annotations
 import torch
 
 from .manager import register
-from .shard.context import calls, new_node, value_of
+from .shard.context import SDPA_POSITIONAL, calls, new_node, sdpa_arguments, value_of
 
 aten = torch.ops.aten
-_MASK = 3  # attn_mask's position in scaled_dot_product_attention's schema
+_MASK = SDPA_POSITIONAL.index("attn_mask")
 
 
 def _boolean_mask(attention):
     """The boolean mask node ``attention`` reads, with its query dtype; None where there is none."""
-    mask = attention.args[_MASK] if len(attention.args) > _MASK else attention.kwargs.get("attn_mask")
+    mask = sdpa_arguments(attention).get("attn_mask")
     mask_value, query_value = value_of(mask), value_of(attention.args[0])
     if not isinstance(mask_value, torch.Tensor) or mask_value.dtype != torch.bool:
         return None

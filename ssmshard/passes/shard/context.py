@@ -106,6 +106,16 @@ def aliases(node, follows=returns_view) -> list:
     return found
 
 
+# scaled_dot_product_attention's positional parameters (scale and enable_gqa are keyword-only).
+SDPA_POSITIONAL = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+
+
+def sdpa_arguments(node) -> dict:
+    """A ``scaled_dot_product_attention`` node's arguments by name, however they were passed
+    (those left at their defaults are absent)."""
+    return {**dict(zip(SDPA_POSITIONAL, node.args)), **node.kwargs}
+
+
 def single_user(node):
     """The one node reading ``node``; None when it is not a node or has no or several readers."""
     return next(iter(node.users)) if isinstance(node, torch.fx.Node) and len(node.users) == 1 else None
