@@ -27,8 +27,9 @@ from .token_layout import ORDERS as TSP_ORDERS
 # Passes a plan runs only to make its programs faster; ``Plan(skip_passes=[...])`` leaves them out.
 OPTIONAL_PASSES = ("fuse_rmsnorm", "decode_gemv", "fuse_dt_proj", "group_decode_linears", "fuse_rotary",
                    "fold_cache_positions", "hoist_attention_mask", "inplace_decode_states", "fuse_cache_write",
-                   "fold_weights")
-# Passes a plan runs only when asked (``Plan(add_passes=[...])``): measured, not faster everywhere.
+                   "fold_weights", "decode_attention")
+# What a plan runs only when asked (``Plan(add_passes=[...])``): measured, not faster everywhere.
+# ``decode_attention`` runs by default on head dims PyTorch's backends pad; asked for, on every head dim.
 OPT_IN_PASSES = ("decode_attention",)
 # How a linear layer under Plan(tsp=D) reads a sharded weight (docs/tsp.md).
 TSP_WEIGHT_SCHEDULES = ("gather", "ring")
@@ -122,14 +123,15 @@ class Plan:
     kernels), ``inplace_decode_states`` (the decode program
     writes each new state into the state tensor it was given and returns that tensor: the states
     passed in are overwritten), ``fuse_cache_write`` (a static-K/V decode step's rotary embedding and
-    its two key/value cache writes as one kernel launch; under the Triton kernels) and ``fold_weights`` (weight-only subgraphs such as
-    ``-exp(A_log.float())`` and casts of weights computed once per binding of the weights instead
-    of every call: decode always, prefill and chunk when ``training=False``, forward programs
-    never, since gradients must reach the weights). docs/decode.md.
-    ``add_passes``: passes (``OPT_IN_PASSES``) a plan runs only when asked: ``decode_attention`` (a
-    decode step's one-position attention on ssmshard's Triton kernel instead of PyTorch's SDPA
-    backend; under the Triton kernels). Faster per call than cuDNN at most measured shapes, but the
-    graphed steps measured were not faster with it (docs/decode.md, the opt-in pass).
+    its two key/value cache writes as one kernel launch; under the Triton kernels), ``fold_weights``
+    (weight-only subgraphs such as ``-exp(A_log.float())`` and casts of weights computed once per
+    binding of the weights instead of every call: decode always, prefill and chunk when
+    ``training=False``, forward programs never, since gradients must reach the weights) and
+    ``decode_attention`` (a decode step's one-position attention on ssmshard's Triton kernel instead
+    of PyTorch's SDPA backend where the head dim is not a power of two, which cuDNN pads, such as
+    Zamba2's 160; under the Triton kernels). docs/decode.md.
+    ``add_passes``: what a plan runs only when asked (``OPT_IN_PASSES``): ``decode_attention`` on
+    every head dim (measured slower in Llama's graphed step, head dim 128: docs/decode.md).
 
     ``compile``: run every program of the plan through ``torch.compile`` (Inductor), the SSM kernels,
     norms and collectives kept as opaque ops and the glue between them fused; each program compiles
@@ -215,6 +217,9 @@ class Plan:
         if isinstance(self.add_passes, str) or not all(name in OPT_IN_PASSES for name in self.add_passes):
             raise PlanError(f"add_passes must list opt-in passes ({', '.join(OPT_IN_PASSES)}), got {self.add_passes!r}")
         self.add_passes = list(self.add_passes)
+        if set(self.add_passes) & set(self.skip_passes):
+            raise PlanError(f"{sorted(set(self.add_passes) & set(self.skip_passes))} in both add_passes and "
+                            f"skip_passes: list each pass in one of them")
         if self.drop_syncs and self.sequence_parallel:
             raise PlanError("drop_syncs with sequence_parallel=True: sequence parallelism reduce-scatters the "
                             "residual stream, and only all-reduce sync points can be dropped; use one or the other")
@@ -263,8 +268,8 @@ class Plan:
         boolean attention mask made additive once a step) and ``swap_kernels`` (it only retargets SSM ops);
         then the inference passes (``inference_steps``) and, for decode programs under the Triton
         kernels, ``fuse_cache_write`` (the rotary kernel writing keys and values into the static
-        cache), and ``decode_attention`` (the one-position attention on its own kernel) when
-        ``add_passes`` asks for it. ``runtime.pipeline.shard_program`` runs them; ``ssmshard inspect`` and the runtime both go through it. Under ``tsp``, forward programs are the ``tsp`` pass's;
+        cache), and ``decode_attention`` (the one-position attention on its own kernel: head dims
+        that are not a power of two, every head dim when ``add_passes`` asks for it). ``runtime.pipeline.shard_program`` runs them; ``ssmshard inspect`` and the runtime both go through it. Under ``tsp``, forward programs are the ``tsp`` pass's;
         ``sequence_sharded=True`` asks for it on a prefill program too (the TSP prefill, whose
         states feed the tensor-parallel decode program: docs/tsp.md)."""
         from .passes.shard import sharding_steps
@@ -298,8 +303,9 @@ class Plan:
         steps += self.inference_steps(mode)
         if kernels == "triton" and mode == "decode":  # after inplace_decode_states, on the rotary kernel
             steps.append(("fuse_cache_write", {}))
-            if "decode_attention" in self.add_passes:  # after fuse_cache_write, which matches SDPA nodes
-                steps.append(("decode_attention", {"compile": self.compile}))
+            # After fuse_cache_write, which matches SDPA nodes.
+            steps.append(("decode_attention", {"compile": self.compile,
+                                               "every_head_dim": "decode_attention" in self.add_passes}))
         return [step for step in steps if (step if isinstance(step, str) else step[0]) not in self.skip_passes]
 
     def inference_steps(self, mode: str) -> list:

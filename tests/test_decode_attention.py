@@ -1,8 +1,9 @@
 """A decode step's attention on its own kernel (``kernels.decode_attention``, on Triton's CPU
 interpreter here, the GPU where there is one) against PyTorch's ``scaled_dot_product_attention``
 in float64, and the ``decode_attention`` pass that retargets a decode program's one-position
-attention to it (opt-in: ``Plan(add_passes=["decode_attention"])``), and on a GPU the graphed
-static-K/V decode of a plan with the pass: the tokens of eager decode and of HF.
+attention to it (by default where the head dim is not a power of two; every head dim with
+``Plan(add_passes=["decode_attention"])``), and on a GPU the graphed static-K/V decode of a plan
+with the pass: the tokens of eager decode and of HF.
 
 Dimension letters: b batch, h query heads, k key/value heads, s cache positions, p head dim."""
 
@@ -89,6 +90,9 @@ def _attention_nodes(program, target):
     return [n for n in program.graph.nodes if n.op == "call_function" and n.target is target]
 
 
+EVERY_HEAD_DIM = ("decode_attention", {"every_head_dim": True})  # as Plan(add_passes=["decode_attention"])
+
+
 @pytest.mark.parametrize("family", sorted(ATTENTION_BLOCKS))
 def test_pass_retargets_every_decode_attention_and_keeps_logits_and_hf_tokens(family, fresh_seed):
     """On the CPU the retargeted nodes run PyTorch's call with the same arguments: logits equal
@@ -96,12 +100,25 @@ def test_pass_retargets_every_decode_attention_and_keeps_logits_and_hf_tokens(fa
     model = small_model(family)
     plain = run_pipeline(ssmshard.capture(model, mode="decode"), ["hoist_attention_mask", *INFERENCE_PASSES])
     passed = run_pipeline(ssmshard.capture(model, mode="decode"),
-                          ["hoist_attention_mask", *INFERENCE_PASSES, "decode_attention"])
+                          ["hoist_attention_mask", *INFERENCE_PASSES, EVERY_HEAD_DIM])
     blocks = ATTENTION_BLOCKS[family](model.config)
-    assert passed.decode_attention_report == {"attention_calls": blocks}
+    assert passed.decode_attention_report == {"attention_calls": blocks, "left_for_head_dim": 0}
     assert len(_attention_nodes(passed, pass_module.decode_attention_kernel)) == blocks
     assert not _attention_nodes(passed, aten.scaled_dot_product_attention.default)
     assert_same_logits_and_hf_tokens(model, plain, passed, fresh_seed, f"{family} (seed {fresh_seed})")
+
+
+@pytest.mark.parametrize("head_dim", [16, 20])
+def test_by_default_only_head_dims_that_are_not_a_power_of_two_are_retargeted(head_dim, fresh_seed):
+    model = small_model("llama", head_dim=head_dim)
+    plain = run_pipeline(ssmshard.capture(model, mode="decode"), ["hoist_attention_mask", *INFERENCE_PASSES])
+    passed = run_pipeline(ssmshard.capture(model, mode="decode"),
+                          ["hoist_attention_mask", *INFERENCE_PASSES, "decode_attention"])
+    layers = model.config.num_hidden_layers
+    retargeted = layers if head_dim == 20 else 0
+    assert passed.decode_attention_report == {"attention_calls": retargeted, "left_for_head_dim": layers - retargeted}
+    assert len(_attention_nodes(passed, pass_module.decode_attention_kernel)) == retargeted
+    assert_same_logits_and_hf_tokens(model, plain, passed, fresh_seed, f"head dim {head_dim} (seed {fresh_seed})")
 
 
 def test_prefill_programs_are_left_alone():
@@ -116,14 +133,14 @@ def test_causal_and_dropout_attention_are_left_alone():
     attention[0].kwargs = {**attention[0].kwargs, "dropout_p": 0.1}
     attention[1].args = attention[1].args[:3]  # SDPA takes no mask with is_causal
     attention[1].kwargs = {**attention[1].kwargs, "is_causal": True}
-    passed = run_pipeline(program, ["decode_attention"])
-    assert passed.decode_attention_report == {"attention_calls": len(attention) - 2}
+    passed = run_pipeline(program, [EVERY_HEAD_DIM])
+    assert passed.decode_attention_report == {"attention_calls": len(attention) - 2, "left_for_head_dim": 0}
     assert _attention_nodes(passed, aten.scaled_dot_product_attention.default) == attention[:2]
 
 
 def test_compiled_plans_get_the_opaque_op():
     program = run_pipeline(ssmshard.capture(small_model("llama"), mode="decode"),
-                           [("decode_attention", {"compile": True})])
+                           [("decode_attention", {"compile": True, "every_head_dim": True})])
     nodes = _attention_nodes(program, pass_module.decode_attention_op._opoverload)
     assert len(nodes) == program.decode_attention_report["attention_calls"] > 0
     q, k, v, mask = _inputs(2, 4, 2, 6, 8, torch.float32, "additive", torch.Generator().manual_seed(1))
@@ -131,13 +148,24 @@ def test_compiled_plans_get_the_opaque_op():
     assert torch.equal(pass_module.decode_attention_op(q, k, v, mask, 0.5, True), expected)
 
 
-def test_plan_runs_it_last_only_when_asked():
-    decode = pipeline_steps(ssmshard.Plan(add_passes=["decode_attention"]))
+def _decode_attention_options(plan):
+    steps = plan.pipeline("decode", placements={}, rank=0, group="g", kernels="triton")
+    return [options for step, options in (s if isinstance(s, tuple) else (s, None) for s in steps)
+            if step == "decode_attention"]
+
+
+def test_plan_runs_it_last_on_every_head_dim_only_when_asked():
+    decode = pipeline_steps(ssmshard.Plan())
     assert decode[-1] == "decode_attention" and decode.index("fuse_cache_write") < decode.index("decode_attention")
-    assert "decode_attention" not in pipeline_steps(ssmshard.Plan())
+    assert [o["every_head_dim"] for o in _decode_attention_options(ssmshard.Plan())] == [False]
+    assert [o["every_head_dim"] for o in _decode_attention_options(ssmshard.Plan(add_passes=["decode_attention"]))] == [True]
+    assert _decode_attention_options(ssmshard.Plan(skip_passes=["decode_attention"])) == []
     assert "decode_attention" not in pipeline_steps(ssmshard.Plan(add_passes=["decode_attention"]), mode="prefill")
+    assert "decode_attention" not in pipeline_steps(ssmshard.Plan(), kernels="torch")
     with pytest.raises(ssmshard.PlanError, match="add_passes must list opt-in passes"):
         ssmshard.Plan(add_passes=["fuse_rotary"])
+    with pytest.raises(ssmshard.PlanError, match="in both add_passes and skip_passes"):
+        ssmshard.Plan(add_passes=["decode_attention"], skip_passes=["decode_attention"])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and the kernel on a GPU")

@@ -42,9 +42,10 @@ from ssmshard.kernels.rounding import TL_DTYPES, round_to
 from ssmshard.kernels.ssd_triton_common import dot_modes, mma
 
 # Launch shape: positions one program reads per step of its loop, warps, software-pipeline
-# stages. ``SSMSHARD_DECODE_ATTENTION="block_s=32,num_warps=4,num_stages=1"`` overrides them (read
-# at each call, so at graph capture for a graphed step; for benchmarks).
-LAUNCH = {"block_s": 64, "num_warps": 4, "num_stages": 2}
+# stages, and whether to launch with programmatic dependent launch where kernels/pdl.py allows it.
+# ``SSMSHARD_DECODE_ATTENTION="block_s=32,num_warps=4,num_stages=1,pdl=0"`` overrides them (read at
+# each call, so at graph capture for a graphed step; for benchmarks).
+LAUNCH = {"block_s": 64, "num_warps": 4, "num_stages": 2, "pdl": 1}
 ENV = "SSMSHARD_DECODE_ATTENTION"
 MIN_DOT_ROWS = 16  # tensor-core products (tl.dot) take 16 rows at least
 # Positions one split covers at least: below it a split's partial results cost more than the
@@ -223,7 +224,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None =
     if splits > 1:
         partial = torch.empty(programs * splits * block_g, block_p, device=q.device, dtype=torch.float32)
         stats = torch.empty(programs * splits * block_g, 2, device=q.device, dtype=torch.float32)
-    dtype, pdl = TL_DTYPES[q.dtype], launch_options(q.device)
+    dtype, pdl = TL_DTYPES[q.dtype], launch_options(q.device) if launch["pdl"] else {"PDL": False}
     _attend_kernel[(programs, splits)](
         q, k, v, mask, out, partial, stats, s, kv, float(scale), per_split, splits,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),

@@ -12,16 +12,19 @@ verification are unchanged.
 
 Where it applies: decode programs under the Triton kernels, nodes whose query has one position,
 without dropout or ``is_causal`` (a one-row causal mask would see only the first key), keys and
-values of one head dim and dtype, the dtype one the kernel serves. The kernel sums in another
-order than cuDNN (blocks of positions, float32), so the outputs are close, not equal
-(tests/test_decode_attention.py bounds them against float64).
+values of one head dim and dtype, the dtype one the kernel serves; by default only head dims that
+are not a power of two (the ones cuDNN pads), ``every_head_dim`` (``Plan(add_passes=
+["decode_attention"])``) on all. The graphed step on an H200 at batch 64 (one query position
+against a 128-position prompt, benchmarks/results/attention_decode/): Zamba2-2.7B, head dim 160,
+7.24-7.32 ms with the pass against 7.64-7.72 ms without, in three processes on two hosts;
+Llama-3-8B, head dim 128, 5.756 against 5.641 ms, so power-of-two head dims stay on PyTorch's
+backend unless asked. The kernel sums in another order than cuDNN (blocks of positions, float32),
+so the outputs are close, not equal (tests/test_decode_attention.py bounds them against float64).
 
 Runs last (after ``fuse_cache_write``, which recognises the attention reading the cache it
 writes). Under ``Plan(compile=True)`` the target is the opaque op ``ssmshard_kernels::decode_attention``,
-which Inductor keeps as it is. ``program.decode_attention_report`` counts the retargeted calls.
-Opt-in: ``Plan(add_passes=["decode_attention"])`` runs it. Per call it beat cuDNN at most shapes
-measured on an H200, but the graphed Zamba2 and Llama steps were not faster with it
-(benchmarks/results/attention_decode/, docs/decode.md).
+which Inductor keeps as it is. ``program.decode_attention_report`` counts the retargeted calls and
+those left to PyTorch for their head dim. Off: ``Plan(skip_passes=["decode_attention"])``.
 """
 
 from __future__ import annotations
@@ -78,17 +81,24 @@ def _served(a: dict) -> bool:
     return q.dtype == k.dtype == v.dtype and q.dtype in _DTYPES
 
 
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
 @register("decode_attention")
 def decode_attention(program, ctx):
     """Retarget each one-position attention of a decode program (module docstring). Options:
-    ``compile`` (the opaque op as the target)."""
-    retargeted = 0
+    ``compile`` (the opaque op as the target), ``every_head_dim`` (power-of-two head dims too)."""
+    retargeted = left = 0
     if program.mode == "decode":
         for node in program.graph.nodes:
             if not calls(node, aten.scaled_dot_product_attention.default):
                 continue
             a = sdpa_arguments(node)
             if not _served(a):
+                continue
+            if _power_of_two(value_of(a["query"]).shape[-1]) and not ctx.options.get("every_head_dim"):
+                left += 1
                 continue
             inputs = (a["query"], a["key"], a["value"], a.get("attn_mask"))
             options = {"scale": a.get("scale"), "enable_gqa": a.get("enable_gqa", False)}
@@ -98,5 +108,5 @@ def decode_attention(program, ctx):
                 node.target, node.args, node.kwargs = decode_attention_kernel, inputs, options
             retargeted += 1
         program.graph.lint()
-    program.decode_attention_report = {"attention_calls": retargeted}
+    program.decode_attention_report = {"attention_calls": retargeted, "left_for_head_dim": left}
     return program
