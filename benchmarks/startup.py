@@ -1,6 +1,6 @@
 """CPU benchmark: how long ``ssmshard.parallelize`` and the first ``generate`` take, and where.
 
-    python benchmarks/startup.py [--families mamba zamba2 llama] [--layers64] [--chunked] [--profile FILE]
+    python benchmarks/startup.py [--families mamba zamba2 llama] [--layers64] [--zamba2-54] [--chunked] [--profile FILE]
     python benchmarks/startup.py --verifier-nodes TP [--families ...] [--layers64]
     python benchmarks/startup.py --smoke          # mamba only: checks the script
 
@@ -10,7 +10,10 @@ generation programs (prefill and decode, captured and sharded on first use), and
 with them ready (3 left-padded prompts, 20 new tokens). Under each it prints the time spent
 in torch.export (capture) and in the verifier's fake-tensor propagation; the rest is the passes
 themselves, weight slicing and Python. ``--layers64``: also a 64-layer Mamba of the small width
-(capture and pass cost grow with the node count, not the width). ``--chunked``: also the first
+(capture and pass cost grow with the node count, not the width). ``--zamba2-54``: also a 54-layer
+Zamba2 of the small width in Zamba2-2.7B's layout (hybrid layers at 6, 12, ..., 42, 47, 51, two
+shared blocks alternating). ``SSMSHARD_TRACE_ALL_LAYERS=1``: capture traces every layer instead of
+copying traced ones (how capture worked before ``layer_repeat.py``). ``--chunked``: also the first
 chunked-prefill generate (it captures the chunk program). ``--profile FILE``: cProfile to FILE.
 ``SSMSHARD_FULL_PROPAGATION=1`` makes the verifier propagate every node after every
 shape-changing pass (how it worked before it recomputed only changed nodes).
@@ -45,8 +48,14 @@ INSIDE = ((torch.export, "export", "capture (torch.export)"),
           (manager, "propagate_fake_values", "verify (fake propagation)"))
 
 
+ZAMBA2_27B_HYBRIDS = (6, 12, 18, 24, 30, 36, 42, 47, 51)  # of its 54 layers
+
+
 def build(family: str, layers: int | None):
     overrides = {} if layers is None else {"num_hidden_layers": layers}
+    if family == "zamba2" and layers == 54:
+        overrides.update(num_mem_blocks=2, layers_block_type=["hybrid" if i in ZAMBA2_27B_HYBRIDS else "mamba"
+                                                              for i in range(54)])
     return randomize_weights(build_small_model(family, **overrides), seed=1).eval()
 
 
@@ -119,6 +128,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--families", nargs="*", default=["mamba", "zamba2", "llama"])
     parser.add_argument("--layers64", action="store_true", help="also a 64-layer small-width Mamba")
+    parser.add_argument("--zamba2-54", action="store_true", help="also a 54-layer small-width Zamba2 (2.7B's layout)")
     parser.add_argument("--chunked", action="store_true", help="also time the first chunked-prefill generate")
     parser.add_argument("--profile", help="write a cProfile of everything to this file")
     parser.add_argument("--verifier-nodes", type=int, metavar="TP",
@@ -128,7 +138,8 @@ def main():
     if args.smoke:
         args.families, args.layers64 = ["mamba"], False
     bench_common.init_single_process_group(torch.device("cpu"))  # gloo: the programs run on the CPU
-    runs = [(f, None) for f in args.families] + ([("mamba", 64)] if args.layers64 else [])
+    runs = [(f, None) for f in args.families] + ([("mamba", 64)] if args.layers64 else []) + \
+        ([("zamba2", 54)] if args.zamba2_54 else [])
     if args.verifier_nodes:
         for family, layers in runs:
             verifier_nodes(family, layers, args.verifier_nodes)

@@ -33,10 +33,10 @@ Decode rebuilds a Hugging Face cache object from the state tensors inside the tr
 function, so the model's own cache logic is what gets captured, version by version, and
 returns the updated tensors: no hidden mutation survives in the graph.
 
-Where every decoder layer is alike (same type, same weights' names and shapes), export traces
-the first three layers and ``layer_repeat.py`` copies the third for the rest, after checking on
-the traced graph that the copy is what tracing would give; capture time then does not grow with
-depth. Hybrids trace every layer.
+Export traces a prefix of the decoder layers (three where all are alike; more for hybrids, to
+see every pair of consecutive layer kinds twice) and ``layer_repeat.py`` copies traced layers
+for the rest, after checking on the traced graph that a copy is what tracing would give; capture
+time then does not grow with depth.
 
 The model may live on the meta device: export only needs shapes, so capture never touches
 weights. The graph then records ``device=meta`` for factory ops; ``Program.bind`` retargets
@@ -58,8 +58,8 @@ from torch.export import Dim
 from .families import family_of
 from .hf_compat import cache_kwarg
 from .hf_shims import continued_scans, swapped_kernel_functions
-from .layer_repeat import (TRACED_LAYERS, NotRepeatable, decoder_layers, layer_lists, repeat_layers, truncated,
-                           why_not_repeatable)
+from .layer_repeat import (TRACED_LAYERS, NotRepeatable, decoder_layers, layer_lists, repeat_layers, repetitions,
+                           truncated)
 from .packed_capture import PackedForward, check_packable, example_cu_seqlens, verify_packed_graph
 from .program import Program, StateSpec, unpadded_mask_and_positions
 
@@ -406,23 +406,28 @@ def _recapture(model, family, program, user_inputs) -> Program:
 
 def _capture_one(model, family, mode, example_batch, example_seq, packed=False, example_past=None,
                  static_kv=False, static_length=None) -> Program:
-    """Trace the first ``TRACED_LAYERS`` decoder layers and repeat the last where the layers are
-    alike (``layer_repeat.py``), else every layer."""
+    """Trace a prefix of the decoder layers and copy its layers for the rest where the traced
+    graph shows that copying gives what tracing would (``layer_repeat.py``), else every layer."""
     shapes = (example_batch, example_seq, packed, example_past, static_kv, static_length)
-    reason = why_not_repeatable(model)
     found = decoder_layers(model)
-    if reason is None:
+    try:
+        plans = repetitions(model)
+    except NotRepeatable as error:
+        plans, reason = [], str(error)
+    for plan in plans:
         try:
-            return _trace(model, family, mode, *shapes, repeat_to=len(found[1]))
+            return _trace(model, family, mode, *shapes, repeat=plan)
         except NotRepeatable as error:
             reason = str(error)
+            log.info("%s: copying layers after a prefix of %d failed its check: %s", family.class_name, plan.traced,
+                     reason)
     if found is not None and len(found[1]) > TRACED_LAYERS:
         log.info("tracing all %d layers of %s: %s", len(found[1]), family.class_name, reason)
     return _trace(model, family, mode, *shapes)
 
 
 def _trace(model, family, mode, example_batch, example_seq, packed=False, example_past=None,
-           static_kv=False, static_length=None, repeat_to=None) -> Program:
+           static_kv=False, static_length=None, repeat=None) -> Program:
     full_model = model
     if static_kv and not family.has_attention:
         raise ValueError(f"{family.class_name} has no attention: its decode states have fixed shapes already, "
@@ -430,8 +435,8 @@ def _trace(model, family, mode, example_batch, example_seq, packed=False, exampl
     cache_kw = cache_kwarg(model)
     device = _model_device(model)
     with _capture_context(model, family):
-        if repeat_to is not None:  # after eval(): the view copies the modules' training flags
-            model = truncated(model, TRACED_LAYERS)
+        if repeat is not None:  # after eval(): the view copies the modules' training flags
+            model = truncated(model, repeat.traced)
         # Batch is one named dim shared by every input. Sequence and past lengths are AUTO:
         # export narrows their range where the model branches on them, and the Program
         # records the range it serves.
@@ -506,8 +511,8 @@ def _trace(model, family, mode, example_batch, example_seq, packed=False, exampl
         exported, mode=mode, family=family.name, model=full_model, state_specs=state_specs,
         capture_device=device, wrapper_prefix="model.", packed=packed,
     )
-    if repeat_to is not None:
-        repeat_layers(program, repeat_to)
+    if repeat is not None:
+        repeat_layers(program, full_model, repeat, family.repeat_path)
     program.static_kv = static_kv
     if packed:
         verify_packed_graph(program)

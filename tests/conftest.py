@@ -39,7 +39,7 @@ _MODELS = {}
 
 def small_model(family: str, **overrides):
     """A tiny model of ``family`` with O(1)-effect random weights (cached per config)."""
-    key = (family, tuple(sorted(overrides.items())))
+    key = (family, repr(sorted(overrides.items())))  # repr: overrides may hold lists
     if key not in _MODELS:
         _MODELS[key] = randomize_weights(build_small_model(family, **overrides), seed=1)
     return _MODELS[key]

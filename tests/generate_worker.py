@@ -119,11 +119,13 @@ def graphed_vs_eager(rank, world, family, seed, out_path, leave_alive=False, lay
     HF's; then the graph replayed across a batch whose rows finish at different steps.
     ``leave_alive``: return with the module (and its graphs) still alive, as a script's globals
     are at its end: ``launch``'s teardown must release the graphs (NCCL's would wait forever).
-    ``layers``: a model of that many decoder layers instead of the small model's own count.
+    ``layers``: a model of that many decoder layers instead of the small model's own count, or a
+    dict of config overrides (a hybrid's layer layout).
     ``add_passes``: opt-in passes the plan runs too (``Plan(add_passes=...)``)."""
     from finishing_rows import finishing_rows
 
-    model = small_model(family, **({} if layers is None else {"num_hidden_layers": layers})).cuda()
+    overrides = {} if layers is None else layers if isinstance(layers, dict) else {"num_hidden_layers": layers}
+    model = small_model(family, **overrides).cuda()
     try:
         dm = ssmshard.parallelize(model, ssmshard.Plan(tp=world, add_passes=list(add_passes)))
         ids, mask = left_padded_prompts(model.config.vocab_size, (5, 12, 9), seed)

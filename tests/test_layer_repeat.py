@@ -1,5 +1,5 @@
-"""Capture by repeating the last of three traced layers (layer_repeat.py) against tracing every
-layer and against Hugging Face eager."""
+"""Capture by copying traced layers for the rest (layer_repeat.py) against tracing every layer
+and against Hugging Face eager: layers all alike (three traced) and hybrids (a longer prefix)."""
 
 import logging
 import re
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ssmshard
-from ssmshard.layer_repeat import TRACED_LAYERS, why_not_repeatable
+from ssmshard.layer_repeat import TRACED_LAYERS, repetitions, why_not_repeatable
 from ssmshard.reference_decode import hf_incremental_logits
 from ssmshard.testing import rel_err
 
@@ -19,6 +19,17 @@ import generate_worker
 TOL = 1e-5
 LAYERS = 6  # three traced, three repeated
 ALIKE_LAYERS = ["mamba", "falcon_mamba", "mamba2", "llama"]
+# Hybrids: Mamba layers and shared-attention layers alternating. Zamba2 with two shared blocks
+# that alternate too, each with per-call-site adapters (seven layers traced, four copied);
+# Zamba's hybrid layers from its period (eight traced, four copied).
+HYBRIDS = {
+    "zamba2": dict(num_hidden_layers=11, layers_block_type=["mamba", "hybrid"] * 5 + ["mamba"], num_mem_blocks=2),
+    "zamba": dict(num_hidden_layers=12),
+}
+
+
+def _model(family):
+    return small_model(family, **HYBRIDS.get(family, {"num_hidden_layers": LAYERS}))
 
 
 def _capture(model, mode, monkeypatch, all_layers: bool, **kwargs):
@@ -43,13 +54,15 @@ def _weights(program):
 
 
 @pytest.mark.compat
-@pytest.mark.parametrize("family", ALIKE_LAYERS)
+@pytest.mark.parametrize("family", ALIKE_LAYERS + list(HYBRIDS))
 def test_repeated_layers_give_the_graph_of_every_layer_traced_and_hf_logits(family, monkeypatch, caplog, fresh_seed):
-    model = small_model(family, num_hidden_layers=LAYERS)
+    model = _model(family)
     assert why_not_repeatable(model) is None
+    layers = model.config.num_hidden_layers
     # Llama's chunk program traces each layer's key length as its own symbol and the size
     # arithmetic on them differs from layer to layer: it is traced whole (and the log says why).
-    modes = ["forward", "prefill", "decode"] + (["chunk"] if family != "llama" else ["static decode"])
+    modes = ["forward", "prefill", "decode"] + (["chunk"] if family != "llama" else []) + \
+        (["static decode"] if family in ("llama", *HYBRIDS) else [])
     programs = {}
     for mode in modes:
         kwargs = {"static_kv": True} if mode == "static decode" else {}
@@ -62,7 +75,7 @@ def test_repeated_layers_give_the_graph_of_every_layer_traced_and_hf_logits(fami
         assert _nodes(repeated) == _nodes(traced), f"{family} {mode}"
         assert _weights(repeated) == _weights(traced)
         assert repeated.state_specs == traced.state_specs and repeated.ranges == traced.ranges
-        assert {row[1] for row in _nodes(repeated)} >= set(range(LAYERS))
+        assert {row[1] for row in _nodes(repeated)} >= set(range(layers))
         programs.setdefault(mode, repeated)
 
     generator = torch.Generator().manual_seed(fresh_seed)
@@ -83,14 +96,58 @@ def test_repeated_layers_give_the_graph_of_every_layer_traced_and_hf_logits(fami
     assert max(errors) < TOL, f"{family}: {['%.1e' % e for e in errors]} (seed {fresh_seed})"
 
 
-def test_models_whose_layers_differ_trace_every_layer_and_say_why(monkeypatch):
+def test_the_traced_prefix_holds_two_examples_of_every_pair_of_layer_kinds(monkeypatch):
     monkeypatch.delenv("SSMSHARD_TRACE_ALL_LAYERS", raising=False)
-    zamba2 = small_model("zamba2")  # mamba layers and hybrid (shared attention) layers
-    reason = why_not_repeatable(zamba2)
-    assert reason is not None and "differs from layer" in reason
+    assert [plan.traced for plan in repetitions(small_model("mamba", num_hidden_layers=LAYERS))] == [TRACED_LAYERS]
+    # Zamba2-2.7B's layout (54 layers, hybrids at 6, 12, ..., 42, 47, 51): the pair (mamba,
+    # hybrid) is seen at 6 and 12, (hybrid, mamba) at 7 and 13, and the prefix ends on two Mamba
+    # layers, as the model does. Without first layers of a kind as examples (the second plan):
+    # 12 and 18, 13 and 19.
+    hybrid_at = [6, 12, 18, 24, 30, 36, 42, 47, 51]
+    layout = ["hybrid" if i in hybrid_at else "mamba" for i in range(54)]
+    short, long = repetitions(small_model("zamba2", num_hidden_layers=54, layers_block_type=layout, num_mem_blocks=2))
+    for plan, traced, (hybrid, after_hybrid, mamba) in ((short, 15, (12, 13, 14)), (long, 21, (18, 19, 20))):
+        assert plan.traced == traced
+        assert all(plan.templates[j] == (hybrid if j in hybrid_at else after_hybrid if j - 1 in hybrid_at else mamba)
+                   for j in range(traced, 54))
+    assert short.examples == {12: 6, 13: 7, 14: 11} and long.examples == {18: 12, 19: 13, 20: 17}
+    # Too few layers to see each pair twice after the first of each kind: every layer is traced.
+    reason = why_not_repeatable(small_model("zamba2"))  # mamba, hybrid, mamba, hybrid, mamba
+    assert reason is not None and "no shorter prefix" in reason
     assert "nothing to repeat" in why_not_repeatable(small_model("mamba"))  # two layers
     monkeypatch.setenv("SSMSHARD_TRACE_ALL_LAYERS", "1")
     assert why_not_repeatable(small_model("mamba", num_hidden_layers=LAYERS)) == "SSMSHARD_TRACE_ALL_LAYERS is set"
+
+
+def test_a_failed_check_tries_the_longer_prefix_then_every_layer(monkeypatch, caplog):
+    """Where a kind's first layer fails its check as an example (it traced work later layers
+    reuse), capture copies after the longer prefix that does not use it; where that fails too,
+    it traces every layer. Each failure is logged."""
+    from ssmshard import layer_repeat
+
+    model = _model("zamba2")
+    short, long = repetitions(model)
+    first_hybrid = model.config.layer_types.index("hybrid")
+    assert first_hybrid in short.examples.values() and first_hybrid not in long.examples.values()
+    check = layer_repeat._check_template
+
+    def failing_for(layers):
+        def checked(units, template, example, *args):
+            if example in layers:
+                raise layer_repeat.NotRepeatable(f"layer {example} (failed on purpose)")
+            return check(units, template, example, *args)
+        return checked
+
+    traced = _capture(model, "decode", monkeypatch, all_layers=True)
+    every_plan = {first_hybrid, *long.examples.values()}
+    for failing, logged in (({first_hybrid}, [short.traced]), (every_plan, [short.traced, long.traced])):
+        monkeypatch.setattr(layer_repeat, "_check_template", failing_for(failing))
+        with caplog.at_level(logging.INFO, logger="ssmshard.capture"):
+            caplog.clear()
+            program = _capture(model, "decode", monkeypatch, all_layers=False)
+        assert [int(n) for n in re.findall(r"after a prefix of (\d+) failed", caplog.text)] == logged
+        assert ("tracing all" in caplog.text) == (len(logged) == 2)
+        assert _nodes(program) == _nodes(traced) and _weights(program) == _weights(traced)
 
 
 def test_the_model_is_left_as_it_was(monkeypatch):
@@ -103,16 +160,16 @@ def test_the_model_is_left_as_it_was(monkeypatch):
     assert sorted({spec.layer for spec in program.state_specs}) == list(range(LAYERS))
 
 
-@pytest.mark.parametrize("family", ["mamba2", "llama"])
+@pytest.mark.parametrize("family", ["mamba2", "llama", "zamba2"])
 def test_repeated_programs_sharded_at_tp2_generate_hf_tokens(family, monkeypatch, fresh_seed):
     """The passes (sharding, the decode rewrites a GPU plan runs) over repeated programs: tp=2
     greedy generation equals HF's."""
     monkeypatch.delenv("SSMSHARD_TRACE_ALL_LAYERS", raising=False)
-    model = small_model(family, num_hidden_layers=LAYERS)
+    model = _model(family)
     tokens, expected, mesh = simulated_gpu_plan_generation(model, fresh_seed, monkeypatch)
     assert torch.equal(tokens, expected), f"seed {fresh_seed}"
     decode = mesh.ranks[0]._generation["decode"]
-    assert len({spec.layer for spec in decode.state_specs}) == LAYERS
+    assert len({spec.layer for spec in decode.state_specs}) == model.config.num_hidden_layers
 
 
 def test_packed_forward_repeats_layers_too(monkeypatch):
@@ -124,14 +181,15 @@ def test_packed_forward_repeats_layers_too(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("family", ALIKE_LAYERS)
+@pytest.mark.parametrize("family", ALIKE_LAYERS + list(HYBRIDS))
 def test_repeated_programs_graph_their_decode_on_a_gpu(family, tmp_path, fresh_seed):
     """The GPU plan over repeated programs (Triton kernels, decode rewrites, CUDA-graph decode):
     graphed tokens equal eager's and HF's, finishing rows included."""
     import json
 
     out = tmp_path / "tokens.json"
-    ssmshard.launch(generate_worker.graphed_vs_eager, 1, family, fresh_seed, str(out), False, LAYERS, backend="nccl")
+    ssmshard.launch(generate_worker.graphed_vs_eager, 1, family, fresh_seed, str(out), False,
+                    HYBRIDS.get(family, LAYERS), backend="nccl")
     tokens = json.loads(out.read_text())
     assert tokens["graphed"] == tokens["eager"] == tokens["again"] == tokens["hf"], (family, fresh_seed)
-    check_finishing_rows(tokens["finishing"], f"{family} {LAYERS} layers, graphed (seed {fresh_seed})")
+    check_finishing_rows(tokens["finishing"], f"{family} with copied layers, graphed (seed {fresh_seed})")

@@ -58,6 +58,10 @@ class Family:
     # HF's mixers run their full-sequence Mamba-1 scans without the layer's recurrent state, so
     # a continued (chunked) prefill hands each scan its state (``hf_shims.continued_scans``).
     scans_need_states: bool = False
+    # Capture copies traced layers for later ones (layer_repeat.py), mapping each weight by its
+    # path inside the layer; a family whose layers index modules per call site maps the path
+    # here: (path inside the source layer, source layer, target layer, model) -> path in the target.
+    repeat_path: Callable[[str, int, int, Any], str] | None = None
 
     def model_class(self):
         return getattr(importlib.import_module("transformers"), self.class_name)

@@ -9,6 +9,8 @@ like the base projection it is added to.
 
 from __future__ import annotations
 
+import re
+
 from ..placement import Shard
 from ..plan import Rule
 from . import mamba2
@@ -39,6 +41,15 @@ RULES = (
 )
 
 
+def repeat_path(path, source, target, model):
+    """A shared block's adapters are one per call site: ``*_adapter_list.<k>`` with ``k`` the
+    layer's place among the hybrid layers (``config.hybrid_layer_ids``)."""
+    if "_adapter_list." not in path:
+        return path
+    sites = list(model.config.hybrid_layer_ids)
+    return re.sub(rf"(_adapter_list\.){sites.index(source)}(?=\.|$)", rf"\g<1>{sites.index(target)}", path)
+
+
 def small_config():
     return dict(vocab_size=256, hidden_size=64, num_hidden_layers=5,
                 layers_block_type=["linear_attention", "hybrid", "linear_attention", "hybrid",
@@ -52,6 +63,6 @@ def small_config():
 ZAMBA2 = Family(
     "zamba2", "Zamba2ForCausalLM", "Zamba2Config", "transformers.models.zamba2.modeling_zamba2", small_config,
     has_attention=True, tag_hints=TAG_HINTS, rules=RULES,
-    styles={**mamba2.STYLES, "packed_halves": packed_halves},
+    styles={**mamba2.STYLES, "packed_halves": packed_halves}, repeat_path=repeat_path,
 )
 FAMILIES = (ZAMBA2,)
