@@ -150,6 +150,18 @@ def test_a_failed_check_tries_the_longer_prefix_then_every_layer(monkeypatch, ca
         assert _nodes(program) == _nodes(traced) and _weights(program) == _weights(traced)
 
 
+def test_a_hybrid_on_the_meta_device_copies_its_layers(monkeypatch, caplog):
+    """Attention lifts constants per layer; on the meta device they hold no values to compare
+    (shape and dtype decide), and the program is still the one tracing every layer gives."""
+    model = ssmshard.build_small_model("zamba2", device="meta", **HYBRIDS["zamba2"])
+    with caplog.at_level(logging.INFO, logger="ssmshard.capture"):
+        repeated = _capture(model, "prefill", monkeypatch, all_layers=False)
+    assert "tracing all" not in caplog.text and "failed its check" not in caplog.text, caplog.text
+    assert any(spec.kind == "constant" for spec in repeated.inputs)
+    traced = _capture(model, "prefill", monkeypatch, all_layers=True)
+    assert _nodes(repeated) == _nodes(traced) and _weights(repeated) == _weights(traced)
+
+
 def test_the_model_is_left_as_it_was(monkeypatch):
     model = small_model("mamba2", num_hidden_layers=LAYERS)
     layers_before = list(model.backbone.layers)
