@@ -269,7 +269,9 @@ class Plan:
         then the inference passes (``inference_steps``) and, for decode programs under the Triton
         kernels, ``fuse_cache_write`` (the rotary kernel writing keys and values into the static
         cache), and ``decode_attention`` (the one-position attention on its own kernel: head dims
-        that are not a power of two, every head dim when ``add_passes`` asks for it). ``runtime.pipeline.shard_program`` runs them; ``ssmshard inspect`` and the runtime both go through it. Under ``tsp``, forward programs are the ``tsp`` pass's;
+        that are not a power of two, every head dim when ``add_passes`` asks for it).
+        ``runtime.pipeline.shard_program`` runs them; ``ssmshard inspect`` and the runtime both go
+        through it. Under ``tsp``, forward programs are the ``tsp`` pass's;
         ``sequence_sharded=True`` asks for it on a prefill program too (the TSP prefill, whose
         states feed the tensor-parallel decode program: docs/tsp.md)."""
         from .passes.shard import sharding_steps

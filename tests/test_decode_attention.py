@@ -158,7 +158,8 @@ def test_plan_runs_it_last_on_every_head_dim_only_when_asked():
     decode = pipeline_steps(ssmshard.Plan())
     assert decode[-1] == "decode_attention" and decode.index("fuse_cache_write") < decode.index("decode_attention")
     assert [o["every_head_dim"] for o in _decode_attention_options(ssmshard.Plan())] == [False]
-    assert [o["every_head_dim"] for o in _decode_attention_options(ssmshard.Plan(add_passes=["decode_attention"]))] == [True]
+    asked = ssmshard.Plan(add_passes=["decode_attention"])
+    assert [o["every_head_dim"] for o in _decode_attention_options(asked)] == [True]
     assert _decode_attention_options(ssmshard.Plan(skip_passes=["decode_attention"])) == []
     assert "decode_attention" not in pipeline_steps(ssmshard.Plan(add_passes=["decode_attention"]), mode="prefill")
     assert "decode_attention" not in pipeline_steps(ssmshard.Plan(), kernels="torch")
