@@ -2,6 +2,7 @@
 (``layer_repeat.py``) and traced whole, mode by mode.
 
     python benchmarks/capture_copied_layers.py [--model zamba2-2.7b] [--modes forward prefill decode static chunk]
+    python benchmarks/capture_copied_layers.py --smoke    # an 11-layer small Zamba2, decode: checks the script
 
 For each mode it captures the model twice in this process, copying layers and then with
 ``SSMSHARD_TRACE_ALL_LAYERS=1``, and prints both wall times, how many layers were traced, and
@@ -10,6 +11,8 @@ tags in graph order, the weights in order, the state specs and the shape ranges 
 tests/test_layer_repeat.py makes on small models). Exits 1 if any mode differs. ``static`` is
 the decode step over static key/value buffers (attention families). The models are
 benchmarks/decode_gpu.py's configs with bf16 weights on the meta device: nothing is allocated.
+``--smoke``: a small-width Zamba2 of 11 layers (Mamba and hybrid layers alternating, two shared
+blocks), decode only.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_gpu import GPU_MODELS  # noqa: E402
 
 import ssmshard  # noqa: E402
-from ssmshard.families import family_of  # noqa: E402
+from ssmshard.families import BY_NAME, family_of  # noqa: E402
 
 
 def signature(program):
@@ -44,10 +47,16 @@ def main() -> int:
     parser.add_argument("--model", default="zamba2-2.7b", choices=sorted(GPU_MODELS))
     parser.add_argument("--modes", nargs="+", default=["forward", "prefill", "decode", "static", "chunk"],
                         choices=["forward", "prefill", "decode", "static", "chunk"])
+    parser.add_argument("--smoke", action="store_true", help="an 11-layer small Zamba2, decode only")
     args = parser.parse_args()
     import transformers
 
-    config = GPU_MODELS[args.model]()
+    if args.smoke:
+        args.model, args.modes = "tiny-zamba2 (11 layers)", ["decode"]
+        config = BY_NAME["zamba2"].make_config(num_hidden_layers=11, num_mem_blocks=2,
+                                               layers_block_type=["mamba", "hybrid"] * 5 + ["mamba"])
+    else:
+        config = GPU_MODELS[args.model]()
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
     family = family_of(model)

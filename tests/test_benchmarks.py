@@ -21,10 +21,12 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "benchmarks")
-SCRIPTS = ["allreduce_gpu.py", "bench_capture.py", "compile_gpu.py", "decode_gpu.py", "bench_selective_scan.py", "bench_ssd_scan.py",
-           "bench_causal_conv1d.py", "bench_decode_attention.py", "bench_gemv.py", "bench_state_update.py", "decode_profile.py", "generate_gpu.py", "scaling_gpu.py", "spd_accuracy.py", "spd_recovery.py",
-           "startup.py", "static_kv_decode_gpu.py", "tp_gpu.py",
-           "train_packed.py", "train_small_models.py", "tsp_memory.py"]
+SCRIPTS = ["allreduce_gpu.py", "bench_capture.py", "capture_copied_layers.py", "compile_gpu.py",
+           "decode_gpu.py", "bench_selective_scan.py", "bench_ssd_scan.py", "bench_causal_conv1d.py",
+           "bench_decode_attention.py", "bench_gemv.py", "bench_state_update.py", "decode_profile.py",
+           "generate_gpu.py", "scaling_gpu.py", "spd_accuracy.py", "spd_recovery.py", "startup.py",
+           "static_kv_decode_gpu.py", "tp_gpu.py", "train_packed.py", "train_small_models.py",
+           "tsp_memory.py"]
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
@@ -43,6 +45,15 @@ def test_every_product_benchmark_answers_help_and_has_a_smoke_mode():
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, (name, err[-2000:])
         assert "--smoke" in out, name
+
+
+def test_capture_copied_layers_smoke_finds_the_same_program():
+    """The script's smoke model has layers to copy, and its check says the copied program is the
+    one traced whole (it exits 1 where they differ)."""
+    run = subprocess.run([sys.executable, os.path.join(BENCH, "capture_copied_layers.py"), "--smoke"], env=_env(),
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "prefixes traced: [5]" in run.stdout and "same program: True" in run.stdout, run.stdout
 
 
 # (script and arguments, the JSON it writes, the plot beside it, a check of the JSON)
