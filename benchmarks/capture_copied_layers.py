@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import time
 
@@ -30,16 +29,7 @@ from decode_gpu import GPU_MODELS  # noqa: E402
 
 import ssmshard  # noqa: E402
 from ssmshard.families import BY_NAME, family_of  # noqa: E402
-
-
-def signature(program):
-    """What must agree between a program with copied layers and one traced whole."""
-    nodes = [(str(n.target), *(n.meta["ssmshard"][key] for key in ("layer", "block", "module")),
-              re.sub(r"lifted_tensor_\d+$", "lifted_tensor", n.meta["ssmshard"]["role"] or ""))
-             for n in program.graph_module.graph.nodes if n.op == "call_function"]
-    # Export numbers the constants it lifts over the whole graph: their names are not the model's.
-    weights = [(i.kind, re.sub(r"lifted_tensor_\d+$", "lifted_tensor", i.target or "")) for i in program.inputs]
-    return nodes, weights, program.state_specs, program.ranges
+from ssmshard.testing import program_signature  # noqa: E402
 
 
 def main() -> int:
@@ -86,7 +76,7 @@ def main() -> int:
             times.append(time.perf_counter() - started)
         os.environ.pop("SSMSHARD_TRACE_ALL_LAYERS")
         prefixes = list(traced_counts)
-        same = signature(programs[0]) == signature(programs[1])
+        same = program_signature(programs[0]) == program_signature(programs[1])
         differ |= not same
         print(f"{mode:8s} copied {times[0]:6.1f} s (prefixes traced: {prefixes or 'none'}), "
               f"traced whole {times[1]:6.1f} s, {programs[0].node_count()} ops, same program: {same}", flush=True)

@@ -45,6 +45,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import functools
 import logging
 import os
 import re
@@ -104,10 +105,13 @@ def layer_kinds(model) -> list[tuple[str, str | None]]:
             for i, layer in enumerate(layers)]
 
 
-def repetitions(model) -> list[Repetition]:
+def repetitions(model, first_layers_as_examples: bool = True) -> list[Repetition]:
     """The plans to try, shortest prefix first (module docstring); :class:`NotRepeatable` says why
     there is none. The first may take a kind's first layer as an example; where that layer traced
-    work later layers reuse, its check fails and the second, which does not, is next."""
+    work later layers reuse, its check fails and the second, which does not, is next.
+    ``first_layers_as_examples=False`` gives only plans of the second sort, for programs where a
+    kind's first layer is known to differ (capture's static-K/V decode: the model reads its
+    positions off the first attention layer's position counter, later layers keep theirs)."""
     if os.environ.get("SSMSHARD_TRACE_ALL_LAYERS", "0") not in ("", "0"):
         raise NotRepeatable("SSMSHARD_TRACE_ALL_LAYERS is set")
     if decoder_layers(model) is None:
@@ -117,7 +121,7 @@ def repetitions(model) -> list[Repetition]:
         raise NotRepeatable(f"{len(kinds)} layers: nothing to repeat")
     first_of_kind = {kinds.index(kind) for kind in set(kinds)}
     plans = []
-    for excluded in (set(), first_of_kind):
+    for excluded in (set(), first_of_kind) if first_layers_as_examples else (first_of_kind,):
         plan = _shortest_prefix(kinds, excluded)
         if plan is not None and plan not in plans:
             plans.append(plan)
@@ -197,6 +201,19 @@ class _Unit:
 
     def nodes(self):
         return [*self.constants, *self.states, *self.prologue, *self.body]
+
+    @functools.cached_property
+    def positions(self) -> dict[torch.fx.Node, tuple[str, int]]:
+        """node -> (its part, its index there), for body, prologue and state nodes; read only once
+        ``_units`` has finished the lists (thousands of lookups per check: no list scans)."""
+        found = {}
+        for part, nodes in (("body", self.body), ("prologue", self.prologue), ("state", self.states)):
+            for index, node in enumerate(nodes):
+                found.setdefault(node, (part, index))
+        return found
+
+    def in_body(self, node) -> bool:
+        return self.positions.get(node, ("",))[0] == "body"
 
 
 def _layer_of_path(node) -> int | None:
@@ -334,15 +351,15 @@ class _Weights:
 
 def _reference(node, unit: _Unit, previous: _Unit, others: set, relative_name, weight_key) -> tuple:
     """How a layer's node refers to ``node``, in terms that must match from layer to layer."""
-    if node in others or node in previous.body:
+    if node in others or previous.in_body(node):
         if not isinstance(node.meta.get("val"), torch.Tensor):
             # A size export computed once (in the first layer that needed it) and reuses.
             return "shared", node
-    for kind, nodes in (("body", unit.body), ("prologue", unit.prologue), ("state", unit.states)):
-        if node in nodes:
-            return kind, nodes.index(node)
-    if node in previous.body:  # counted from the end: a kind's first layer may trace extra nodes
-        return "carry", previous.body.index(node) - len(previous.body)
+    position = unit.positions.get(node)
+    if position is not None:
+        return position
+    if previous.in_body(node):  # counted from the end: a kind's first layer may trace extra nodes
+        return "carry", previous.positions[node][1] - len(previous.body)
     if node in unit.constants:
         return "constant", relative_name[node]
     if node in others:
@@ -384,8 +401,10 @@ def _check_template(units, template: int, example: int, output, relative_name, w
                 raise NotRepeatable(f"{one.name} (layer {example}) and {two.name} (layer {template}) differ: "
                                     f"{shape_one[:2]} / {shape_two[:2]}")
     outputs = output.args[0]
-    written = [[v for v in outputs if isinstance(v, torch.fx.Node) and v in set(unit.nodes())]
-               for unit in (first, second)]
+    written = []
+    for unit in (first, second):
+        mine = set(unit.nodes())
+        written.append([v for v in outputs if isinstance(v, torch.fx.Node) and v in mine])
     if [_reference(v, first, first, set(), relative_name, lambda n: None) for v in written[0]] != \
             [_reference(v, second, second, set(), relative_name, lambda n: None) for v in written[1]]:
         raise NotRepeatable(f"layers {example} and {template} write different outputs")

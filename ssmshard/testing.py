@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 
@@ -109,3 +110,23 @@ def peak_activation_bytes(program, ids) -> int:
     with torch.no_grad():
         interpreter.run(*program.weight_args(), ids)
     return interpreter.peak
+
+
+def _without_lift_number(name: str | None) -> str:
+    # Export numbers the constants it lifts over the whole graph (``lifted_tensor_<i>``): the
+    # number says where in the trace a constant was lifted, not which of the model's it is.
+    return re.sub(r"lifted_tensor_\d+$", "lifted_tensor", name or "")
+
+
+def program_signature(program) -> dict:
+    """What two captures of one model must share to be the same program (``layer_repeat.py``'s
+    copies against tracing every layer): each op node as (op, layer, block, role, module) in graph
+    order, the graph inputs as (kind, target) in order, the state specs and the symbols' ranges."""
+    nodes = []
+    for node in program.graph_module.graph.nodes:
+        if node.op == "call_function":
+            tags = node.meta["ssmshard"]
+            nodes.append((str(node.target), tags["layer"], tags["block"], _without_lift_number(tags["role"]),
+                          tags["module"]))
+    inputs = [(spec.kind, _without_lift_number(spec.target)) for spec in program.inputs]
+    return {"nodes": nodes, "inputs": inputs, "states": program.state_specs, "ranges": program.ranges}

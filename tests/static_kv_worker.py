@@ -30,8 +30,10 @@ def static_kv_results(rank, world, families, seed, out_path):
                 result["too_long_error"] = error_of(lambda: dm.generate(ids, mask, static_kv=too_short, **options))
                 result["built_after_error"] = dm._generation is not None  # no program captured yet
             hf = hf_reference(lambda: model.generate(ids, attention_mask=mask, do_sample=False, **options))
-            dynamic = dm.generate(ids, mask, static_kv=False, **options)
             sized = dm.generate(ids, mask, static_kv=True, **options)  # buffers of exactly the positions needed
+            if index == 0:  # a static-K/V generate builds no decode program of the growing cache
+                result["built_for_static"] = sorted(dm._generation)
+            dynamic = dm.generate(ids, mask, static_kv=False, **options)
             batch = {"hf": hf.tolist(), "dynamic": dynamic.tolist(), "sized": sized.tolist(),
                      "same_on_all_ranks": _same_on_every_rank(sized)}
             if index == 0:  # buffers with unfilled slots for the mask to hide

@@ -27,7 +27,7 @@ def test_static_kv_decode_generates_hf_tokens(tp, families, tmp_path, fresh_seed
     """dm.generate(static_kv=True | N) gives exactly HF's greedy tokens and the dynamic cache's, for
     two left-padded batches of prompts of different lengths, with buffers sized exactly and with
     unfilled slots to hide; a generation longer than the buffers is refused before any program is
-    built, with the sizes in the message."""
+    built, with the sizes in the message; a static-K/V generate builds only the programs it runs."""
     out = tmp_path / "static_kv.json"
     ssmshard.launch(static_kv_worker.static_kv_results, tp, families, fresh_seed, str(out))
     results = json.loads(out.read_text())
@@ -46,6 +46,7 @@ def test_static_kv_decode_generates_hf_tokens(tp, families, tmp_path, fresh_seed
         assert error.startswith("ValueError") and "static key/value buffers of 16 positions" in error, (where, error)
         assert f"max_length={12 + static_kv_worker.NEW_TOKENS}" in error, (where, error)
         assert not r["built_after_error"], where
+        assert r["built_for_static"] == ["prefill", "static_decode"], where
         assert r["kv_placements_equal_prefill"], where
         assert {"key", "value"} <= set(r["kv_heads"]), where
 

@@ -17,6 +17,7 @@ from its own start (its last chunk may be shorter). Row r of a (b, l) batch is s
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 
 import torch
@@ -31,6 +32,12 @@ from ssmshard.kernels.interpreter import INTERPRET  # noqa: F401  (re-exported: 
 AUTOTUNE_ENV = "SSMSHARD_SSD_AUTOTUNE"
 # Run config i (modulo each kernel's config count) instead of tuning: for tests and debugging.
 FORCE_CONFIG_ENV = "SSMSHARD_SSD_CONFIG"
+
+
+# Keep each tuning's timings in Triton's on-disk cache (keyed by the kernel's source, the GPU, the
+# tuning key and the configs), so a later process starts without benchmarking the configs again:
+# part of the first generate's time on a machine that ran the model before (docs/startup.md).
+_CACHED_TUNING = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
 
 
 def autotune_enabled() -> bool:
@@ -70,7 +77,7 @@ class TunableKernel:
         self.tuned = None
         if not INTERPRET:
             self.tuned = triton.autotune(
-                configs=configs, key=key, prune_configs_by={"early_config_prune": self._prune}
+                configs=configs, key=key, prune_configs_by={"early_config_prune": self._prune}, **_CACHED_TUNING
             )(fn)
 
     def _clamped(self, config, args):

@@ -129,25 +129,38 @@ class DistributedModule(torch.nn.Module):
         takes the states with exactly those placements and must return them unchanged, so the
         state cache never crosses ranks. Under ``Plan(tsp=...)`` prefill splits the prompt's tokens
         over the ranks and hands decode its states in that same layout (``tsp_prefill.py``).
+        ``generate`` builds only what it runs: decoding over static key/value buffers, it never
+        builds the decode program of the growing cache.
         """
-        if self._generation is None:
-            if self._model is None:
-                raise RuntimeError("this DistributedModule was built without its model; generation needs it")
-            prefill = shard_program(capture(self._model, mode="prefill"), self._model, self.plan, **self._shard_options)
-            self._generation = {"prefill": prefill, "decode": self._stateful_program("decode", prefill)}
-            if self.plan.tsp > 1:
-                # Traced at 8 tokens per chunk: the tsp pass propagates shapes over the local chunks,
-                # and where HF branches on the conv kernel (the conv state of a prefill shorter than
-                # it is padded) a chunk's traced length must take the branch long prompts take.
-                chunks = TokenLayout(0, self.plan.tsp, self.plan.tsp_order).chunks
-                traced = capture(self._model, mode="prefill", example_seq=8 * chunks)
-                self._generation["tsp_prefill"] = shard_program(traced, self._model, self.plan,
-                                                                sequence_sharded=True, **self._shard_options)
-        return self._prefill_step(), self._bound(self._generation["decode"])
+        return self.prefill_program(), self.decode_program()
 
-    def _prefill_step(self):
-        """What generation prefills with: the prefill program, or under TSP the sequence-sharded one
-        with its states re-laid for the tensor-parallel decode program."""
+    def decode_program(self):
+        """This rank's decode program (the growing cache), captured and sharded on first use."""
+        return self._stateful_program("decode", "decode")
+
+    def _build_prefill(self):
+        """Capture and shard the prefill program (under TSP its sequence-sharded twin too), once."""
+        if self._generation is not None:
+            return
+        if self._model is None:
+            raise RuntimeError("this DistributedModule was built without its model; generation needs it")
+        prefill = shard_program(capture(self._model, mode="prefill"), self._model, self.plan, **self._shard_options)
+        generation = {"prefill": prefill}
+        if self.plan.tsp > 1:
+            # Traced at 8 tokens per chunk: the tsp pass propagates shapes over the local chunks,
+            # and where HF branches on the conv kernel (the conv state of a prefill shorter than
+            # it is padded) a chunk's traced length must take the branch long prompts take.
+            chunks = TokenLayout(0, self.plan.tsp, self.plan.tsp_order).chunks
+            traced = capture(self._model, mode="prefill", example_seq=8 * chunks)
+            generation["tsp_prefill"] = shard_program(traced, self._model, self.plan,
+                                                      sequence_sharded=True, **self._shard_options)
+        self._generation = generation
+
+    def prefill_program(self):
+        """This rank's prefill program, captured and sharded on first use: what generation prefills
+        with (under TSP the sequence-sharded one, its states re-laid for the tensor-parallel decode
+        program)."""
+        self._build_prefill()
         if self.plan.tsp == 1:
             return self._bound(self._generation["prefill"])
         from .tsp_prefill import SequenceShardedPrefill
@@ -157,24 +170,22 @@ class DistributedModule(torch.nn.Module):
 
     def chunk_program(self):
         """This rank's chunked-prefill program (prefill continued from states), on first use."""
-        self.generation_programs()
-        if "chunk" not in self._generation:
-            self._generation["chunk"] = self._stateful_program("chunk", self._generation["prefill"])
-        return self._bound(self._generation["chunk"])
+        return self._stateful_program("chunk", "chunk")
 
     def static_decode_program(self):
         """This rank's decode program over static key/value buffers (``runtime/static_kv.py``),
         on first use: the keys/values sharded by heads as prefill returns them."""
-        self.generation_programs()
-        if "static_decode" not in self._generation:
-            self._generation["static_decode"] = self._stateful_program("decode", self._generation["prefill"],
-                                                                       static_kv=True)
-        return self._bound(self._generation["static_decode"])
+        return self._stateful_program("static_decode", "decode", static_kv=True)
 
-    def _stateful_program(self, mode, prefill, **capture_options):
-        """A program taking the states as prefill places them, checked to return them alike."""
-        return shard_program(capture(self._model, mode=mode, **capture_options), self._model, self.plan,
-                             prefill=prefill, **self._shard_options)
+    def _stateful_program(self, name, mode, **capture_options):
+        """The generation program ``name``, captured in ``mode`` and sharded on first use: it takes
+        the states as prefill places them and is checked to return them alike."""
+        self._build_prefill()
+        if name not in self._generation:
+            traced = capture(self._model, mode=mode, **capture_options)
+            self._generation[name] = shard_program(traced, self._model, self.plan, prefill=self._generation["prefill"],
+                                                   **self._shard_options)
+        return self._bound(self._generation[name])
 
     def _bound(self, program):
         """``program`` reading this module's current local weights, its factory ops on their device."""
@@ -205,7 +216,7 @@ class DistributedModule(torch.nn.Module):
 
     def state_placements(self):
         """Placement of each state tensor of the cache (see ``generation_programs``)."""
-        self.generation_programs()
+        self._build_prefill()
         return self._generation["prefill"].shard["outputs"][1:]
 
     def prefill(self, input_ids, attention_mask=None, *, chunk_size=None):
@@ -214,7 +225,7 @@ class DistributedModule(torch.nn.Module):
         from .generate import prefill, prompt_inputs
 
         self._check_ids(input_ids)  # before the programs are captured on first use
-        prefill_program, _ = self.generation_programs()
+        prefill_program = self.prefill_program()
         mask, positions = prompt_inputs(input_ids, attention_mask)
         with torch.no_grad():
             return prefill(prefill_program, self._chunk_program_for(input_ids, chunk_size), input_ids, mask,
@@ -263,8 +274,8 @@ class DistributedModule(torch.nn.Module):
         setup = prepare_generation(self._model, input_ids, attention_mask, **arguments)
         static_length = self._static_kv_length(setup, cuda_graph, static_kv)  # before any program is built
         on_device = uses_device_loop(setup, device_loop)
-        prefill, decode = self.generation_programs()
-        step = self._decode_step(decode, setup, cuda_graph, static_length)
+        prefill = self.prefill_program()
+        step = self._decode_step(setup, cuda_graph, static_length)
         self.last_generation_loop = "device" if on_device else "host"
         return run_generation(prefill, step, setup, group=_group_of(self.program), generator=generator,
                               chunk_program=self._chunk_program_for(setup.input_ids, setup.prefill_chunk_size),
@@ -308,16 +319,15 @@ class DistributedModule(torch.nn.Module):
         check_static_length(length, prompt, max_length)
         return length
 
-    def _decode_step(self, decode, setup, cuda_graph, length):
-        """The decode step ``generate`` runs for ``setup``: ``decode`` itself, the static-K/V step
+    def _decode_step(self, setup, cuda_graph, length):
+        """The decode step ``generate`` runs for ``setup``: the decode program, the static-K/V step
         over buffers of ``length`` positions (eager), or a CUDA graph of either."""
         from .cuda_graph import GraphedDecode, why_not_graphable
         from .static_kv import StaticKVDecode
 
         weights = self._local_weights()
         on_cuda = all(w.is_cuda for w in weights.values())
-        if length is not None:
-            decode = self.static_decode_program()
+        decode = self.static_decode_program() if length is not None else self.decode_program()
         eager = StaticKVDecode(decode, length) if length is not None else decode
         if cuda_graph is False:
             return eager

@@ -3,8 +3,10 @@
     PYTHONPATH=$PWD python benchmarks/results/decode/zamba2_ttft_order.py [--trace-all-layers]
 
 ``benchmarks/decode_gpu.py`` measured 80.5 ms (0.99x the forward) when TTFT ran alone and
-105.5 ms (1.32x) when it followed the batch-1 TPOT run: static key/value buffers of another
-length replace the batch's decode graph. This script times ``dm.generate(max_new_tokens=1)``
+105.5 ms (1.32x) when it followed the batch-1 TPOT run. The hypothesis this script tests: static
+key/value buffers of another length replace the batch's decode graph and slow the next prefill.
+(It did not hold: the kernels and their device time were the same in every order; the wall time
+varied with the host, benchmarks/results/decode/README.md.) This script times ``dm.generate(max_new_tokens=1)``
 call by call in that order (random bf16 weights, tp 1), ``dm.prefill`` alone, generate without
 static buffers, and profiles one slow call: host wall time beside the kernels' summed device time
 and the ops with the most host time. One JSON line per measurement.
