@@ -17,7 +17,6 @@ from its own start (its last chunk may be shorter). Row r of a (b, l) batch is s
 from __future__ import annotations
 
 import functools
-import inspect
 import os
 
 import torch
@@ -32,12 +31,6 @@ from ssmshard.kernels.interpreter import INTERPRET  # noqa: F401  (re-exported: 
 AUTOTUNE_ENV = "SSMSHARD_SSD_AUTOTUNE"
 # Run config i (modulo each kernel's config count) instead of tuning: for tests and debugging.
 FORCE_CONFIG_ENV = "SSMSHARD_SSD_CONFIG"
-
-
-# Keep each tuning's timings in Triton's on-disk cache (keyed by the kernel's source, the GPU, the
-# tuning key and the configs), so a later process starts without benchmarking the configs again:
-# part of the first generate's time on a machine that ran the model before (docs/startup.md).
-_CACHED_TUNING = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
 
 
 def autotune_enabled() -> bool:
@@ -77,7 +70,12 @@ class TunableKernel:
         self.tuned = None
         if not INTERPRET:
             self.tuned = triton.autotune(
-                configs=configs, key=key, prune_configs_by={"early_config_prune": self._prune}, **_CACHED_TUNING
+                configs=configs, key=key, prune_configs_by={"early_config_prune": self._prune},
+                # Each tuning's timings go to Triton's on-disk cache (keyed by the kernel's source,
+                # the GPU, the tuning key and the configs): a later process on the machine reads the
+                # choice instead of benchmarking again (docs/startup.md). Every CUDA build of
+                # torch >= 2.11 brings a Triton that has this (3.6 and later).
+                cache_results=True,
             )(fn)
 
     def _clamped(self, config, args):
