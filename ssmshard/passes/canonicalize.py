@@ -54,20 +54,33 @@ def pad_as_cat(program, ctx):
         x, widths = args[0], args[1]
         if len(widths) != 2 or not any(isinstance(w, torch.fx.Node) for w in widths):
             continue
+        x_val = x.meta["val"]
         with graph.inserting_before(node):
             pieces = []
             for width in widths:
                 if isinstance(width, int) and width == 0:
                     pieces.append(None)
                     continue
-                sizes = [graph.call_function(aten.sym_size.int, (x, d)) for d in range(x.meta["val"].dim() - 1)]
-                pieces.append(graph.call_function(aten.new_full.default, (x, [*sizes, width], value or 0.0)))
+                sizes = []
+                for d in range(x_val.dim() - 1):
+                    sizes.append(graph.call_function(aten.sym_size.int, (x, d)))
+                    sizes[-1].meta["val"] = x_val.size(d)
+                # Fake values for the new nodes (the sharding rules read their shapes): the ops
+                # run on x's fake tensor, in its fake mode.
+                piece = graph.call_function(aten.new_full.default, (x, [*sizes, width], value or 0.0))
+                piece.meta["val"] = x_val.new_full([*x_val.shape[:-1], _value(width)], value or 0.0)
+                pieces.append(piece)
             parts = [part for part in (pieces[0], x, pieces[1]) if part is not None]
             cat = graph.call_function(aten.cat.default, (parts, -1))
-        cat.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+        cat.meta.update(node.meta)  # the padded value: same shape, dtype and source
         node.replace_all_uses_with(cat)
         graph.erase_node(node)
     return program
+
+
+def _value(arg):
+    """A size argument's value: an int, or the SymInt its node computes."""
+    return arg.meta["val"] if isinstance(arg, torch.fx.Node) else arg
 
 
 def _through_noop_slices(node):

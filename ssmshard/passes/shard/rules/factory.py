@@ -1,7 +1,8 @@
 """Allocations, in-place copies into them, and sizes.
 
 HF's state caches allocate buffers with ``zeros``/``new_zeros`` and copy new states into
-them: a buffer that receives a sharded state is allocated at its local size (``localize``).
+them: a buffer that receives a sharded state is allocated at its local size (``localize``). A
+tensor allocated after a split tensor's own size (a pad of it) is split alike.
 A static cache writes each new token's keys/values into its buffers at the cache position
 (``index_copy``).
 """
@@ -62,8 +63,37 @@ def index_copy(cx, node):
     return pd
 
 
+# Fresh tensors shaped after a tensor ``x`` (``x.new_full(sizes, value)``): ``x`` gives the dtype
+# and device, ``sizes`` the shape.
+NEW_LIKE = (aten.new_zeros.default, aten.new_empty.default, aten.new_ones.default, aten.new_full.default)
+
+
+def _is_own_size(size, source, dim) -> bool:
+    """Whether ``size`` is ``source.size(dim)`` read in the graph (at run time: the local size)."""
+    return (isinstance(size, torch.fx.Node) and size.target is aten.sym_size.int and size.args[0] is source
+            and size.args[1] % len(shape(source)) == dim)
+
+
+@rule(*NEW_LIKE)
+def new_like(cx, node):
+    """``x.new_full(sizes, v)`` with ``x`` split: HF pads a prompt shorter than the conv kernel
+    with ``x.new_full((b, x.size(1), k - l), 0)`` (``F.pad``), then concatenates it with ``x``
+    along the length. Sized by ``x``'s own split dim, the pad is read at the local size on each
+    rank and is split as ``x`` is; sized otherwise, it is the same constant on every rank."""
+    source, sizes = node.args[0], node.args[1]
+    p = cx.placement(source)
+    if isinstance(p, Shard) and len(sizes) == len(shape(source)) and _is_own_size(sizes[p.dim], source, p.dim):
+        return p
+    if any(_is_own_size(size, source, p.dim) for size in sizes if isinstance(p, Shard)):
+        cx.fail(node, f"allocates with the size of {p}'s split dim along another dim")
+    return Replicate()
+
+
 @rule(aten.sym_size.int)
 def sym_size(cx, node):
     p = placement_of(node.args[0])
     if isinstance(p, Shard) and node.args[1] % len(shape(node.args[0])) == p.dim:
-        cx.fail(node, "reads the size of a sharded dim")
+        # Read only to allocate a tensor split alike (``new_like``): each rank reads its local size.
+        if not all(u.target in NEW_LIKE and u.args[0] is node.args[0] and u.args[1][p.dim] is node
+                   for u in node.users):
+            cx.fail(node, "reads the size of a sharded dim")

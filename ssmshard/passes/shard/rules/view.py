@@ -258,3 +258,22 @@ def stack(cx, node):
     p = _common_placement(cx, node, node.args[0])
     dim = (node.args[1] if len(node.args) > 1 else 0) % len(shape(node))
     return p.with_dim(p.dim + 1 if dim <= p.dim else p.dim)
+
+
+@rule(aten.constant_pad_nd.default, aten.pad.default)
+def pad(cx, node):
+    """A constant pad along dims the split does not cut: HF pads a prompt shorter than the conv
+    kernel along the length to fill the conv state (a pad sized by a symbolic length is a ``cat``
+    by then, ``canonicalize.pad_as_cat``). Each rank pads its own channels."""
+    p = cx.placement(node.args[0])
+    widths = node.args[1]
+    if node.target is aten.pad.default:
+        mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("mode", "constant")
+        if mode != "constant":
+            cx.fail(node, f"pads in mode {mode!r} (only constant pads are split)")
+    if isinstance(p, Partial):
+        cx.fail(node, "pads a partial sum")
+    rank = len(shape(node.args[0]))
+    if p.dim >= rank - len(widths) // 2:
+        cx.fail(node, f"pads along dim {p.dim}, which {p} splits")
+    return p
