@@ -368,7 +368,7 @@ def capture(model, *, mode: str = "forward", packed: bool = False, static_kv: bo
     program = _capture_one(model, family, mode, example_batch, example_seq, packed, static_kv=static_kv)
     program.capture_seconds = time.perf_counter() - started
     log.info("captured %s: %d ops in %.1fs", what, program.node_count(), program.capture_seconds)
-    program.recapture = lambda user_inputs: _recapture(model, family, program, user_inputs)
+    program.recapture = Recapture(model, family)
     if _model_device(model).type != "meta":
         program.bind(model)
     if verbose:
@@ -376,6 +376,24 @@ def capture(model, *, mode: str = "forward", packed: bool = False, static_kv: bo
         print(f"captured {family.class_name} ({what}) in {program.capture_seconds:.2f}s: "
               f"{program.node_count()} nodes")
     return program
+
+
+class Recapture:
+    """``program.recapture``: captures a sibling of a program for shapes outside its ranges.
+
+    Called with the program itself, so that a copy of a program (``SimulatedMesh`` shards one
+    copy per rank) replays its own passes, not those of the program it was copied from. It holds
+    the model, which a copy of the program shares rather than copies.
+    """
+
+    def __init__(self, model, family):
+        self.model, self.family = model, family
+
+    def __call__(self, program, user_inputs) -> Program:
+        return _recapture(self.model, self.family, program, user_inputs)
+
+    def __deepcopy__(self, memo):
+        return self
 
 
 def _recapture(model, family, program, user_inputs) -> Program:

@@ -97,7 +97,7 @@ class Program:
         self.ranges = ranges or {}
         # Shape-bucket cache: sibling programs captured for shapes outside ``ranges`` (see admits).
         self.siblings: list[Program] = []
-        self.recapture = None  # callable(user_inputs) -> Program, set by capture() while it holds the model
+        self.recapture = None  # callable(program, user_inputs) -> Program (capture.Recapture), set by capture()
         # Run the graph through torch.compile (Plan(compile=True): runtime/compiled.py), on first call.
         self.compile = False
         self._compiled = None
@@ -259,7 +259,7 @@ class Program:
             for candidate in self.siblings:  # another thread may have captured it meanwhile
                 if candidate.admits(user_inputs):
                     return candidate
-            sibling = self.recapture(user_inputs)
+            sibling = self.recapture(self, user_inputs)
             self.siblings.append(sibling)
         return sibling
 

@@ -36,9 +36,12 @@ class DistributedModule(torch.nn.Module):
     """
 
     def __init__(self, program, weights: dict[str, torch.Tensor], plan: Plan, rank: int, *, model=None,
-                 shard_options=None, packed_program=None):
+                 shard_options=None, packed_program=None, captures=None):
         super().__init__()
         self.program = program
+        # callable(model, **capture options) -> Program: where generation programs come from
+        # (default: ``capture``; a SimulatedMesh captures once for all its ranks).
+        self._captures = captures
         self.packed_program = packed_program  # sharded like ``program``, over the same local weights
         self.plan = plan
         self.rank = rank
@@ -144,14 +147,14 @@ class DistributedModule(torch.nn.Module):
             return
         if self._model is None:
             raise RuntimeError("this DistributedModule was built without its model; generation needs it")
-        prefill = shard_program(capture(self._model, mode="prefill"), self._model, self.plan, **self._shard_options)
+        prefill = shard_program(self._capture(mode="prefill"), self._model, self.plan, **self._shard_options)
         generation = {"prefill": prefill}
         if self.plan.tsp > 1:
             # Traced at 8 tokens per chunk: the tsp pass propagates shapes over the local chunks,
             # and where HF branches on the conv kernel (the conv state of a prefill shorter than
             # it is padded) a chunk's traced length must take the branch long prompts take.
             chunks = TokenLayout(0, self.plan.tsp, self.plan.tsp_order).chunks
-            traced = capture(self._model, mode="prefill", example_seq=8 * chunks)
+            traced = self._capture(mode="prefill", example_seq=8 * chunks)
             generation["tsp_prefill"] = shard_program(traced, self._model, self.plan,
                                                       sequence_sharded=True, **self._shard_options)
         self._generation = generation
@@ -182,10 +185,16 @@ class DistributedModule(torch.nn.Module):
         the states as prefill places them and is checked to return them alike."""
         self._build_prefill()
         if name not in self._generation:
-            traced = capture(self._model, mode=mode, **capture_options)
+            traced = self._capture(mode=mode, **capture_options)
             self._generation[name] = shard_program(traced, self._model, self.plan, prefill=self._generation["prefill"],
                                                    **self._shard_options)
         return self._bound(self._generation[name])
+
+    def _capture(self, **options):
+        """A fresh captured program of this module's model, for this rank to shard."""
+        if self._captures is not None:
+            return self._captures(self._model, **options)
+        return capture(self._model, **options)
 
     def _bound(self, program):
         """``program`` reading this module's current local weights, its factory ops on their device."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import threading
 
 import torch
 
@@ -30,6 +31,26 @@ from .distributed import DistributedModule, local_weights
 from .pipeline import shard_program
 
 _mesh_ids = itertools.count()
+
+
+class CapturedOnce:
+    """The generation programs of a mesh's model, each captured once for all its ranks: every
+    call returns a fresh copy of the one capture of those options, for a rank to shard (the
+    ranks of a process group each capture the same program; here they share one export)."""
+
+    def __init__(self):
+        self._programs = {}
+        self._lock = threading.Lock()  # rank threads may build a program on first use
+
+    def __call__(self, model, **options):
+        key = tuple(sorted(options.items()))
+        with self._lock:
+            if key not in self._programs:
+                self._programs[key] = capture(model, **options)
+            program = self._programs[key]
+            # The copies read the model's weights until a rank binds its own slices: not copied.
+            shared = {id(t): t for t in (program.weights or {}).values()}
+            return copy.deepcopy(program, memo=shared)
 
 
 class SimulatedMesh:
@@ -45,6 +66,7 @@ class SimulatedMesh:
         self.timeout = timeout
         self.group = f"ssmshard_simulated{next(_mesh_ids)}"
         program = capture(model, mode="forward") if program is None else program
+        captures = CapturedOnce()
         placements = plan.layout(program, model)  # PlanError here, before any rank runs
         permutations = plan.weight_permutations(program, model)  # likewise; the model is not changed
         kernels = plan.kernel_choice(next(model.parameters()).device)
@@ -53,7 +75,7 @@ class SimulatedMesh:
             options = {"rank": rank, "group": self.group, "kernels": kernels}
             local = shard_program(copy.deepcopy(program), model, plan, placements=placements, **options)
             self.ranks.append(DistributedModule(local, local_weights(local, placements, model, rank, permutations), plan, rank,
-                                                model=model, shard_options=options))
+                                                model=model, shard_options=options, captures=captures))
 
     @property
     def program(self):
