@@ -33,9 +33,7 @@ def static_kv_results(rank, world, families, seed, out_path):
             sized = dm.generate(ids, mask, static_kv=True, **options)  # buffers of exactly the positions needed
             if index == 0:  # a static-K/V generate builds no decode program of the growing cache
                 result["built_for_static"] = sorted(dm._generation)
-            dynamic = dm.generate(ids, mask, static_kv=False, **options)
-            batch = {"hf": hf.tolist(), "dynamic": dynamic.tolist(), "sized": sized.tolist(),
-                     "same_on_all_ranks": _same_on_every_rank(sized)}
+            batch = {"hf": hf.tolist(), "sized": sized.tolist(), "same_on_all_ranks": _same_on_every_rank(sized)}
             if index == 0:  # buffers with unfilled slots for the mask to hide
                 roomy = dm.generate(ids, mask, static_kv=ids.shape[1] + 3 * NEW_TOKENS, **options)
                 batch.update(roomy=roomy.tolist(), same_on_all_ranks=batch["same_on_all_ranks"] and
@@ -43,7 +41,7 @@ def static_kv_results(rank, world, families, seed, out_path):
             result["batches"].append(batch)
         # Each rank's static key/value buffers hold its own key/value heads.
         program = dm.static_decode_program()
-        prefill, _ = dm.generation_programs()
+        prefill = dm.prefill_program()
         result["kv_placements_equal_prefill"] = [str(p) for p in program.shard["outputs"][1:]] == \
             [str(p) for p in prefill.shard["outputs"][1:]]
         result["kv_heads"] = sorted({spec.kind for spec in program.state_specs})
