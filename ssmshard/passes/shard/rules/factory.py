@@ -94,6 +94,6 @@ def sym_size(cx, node):
     p = placement_of(node.args[0])
     if isinstance(p, Shard) and node.args[1] % len(shape(node.args[0])) == p.dim:
         # Read only to allocate a tensor split alike (``new_like``): each rank reads its local size.
-        if not all(u.target in NEW_LIKE and u.args[0] is node.args[0] and u.args[1][p.dim] is node
-                   for u in node.users):
+        if not all(u.target in NEW_LIKE and u.args[0] is node.args[0] and len(u.args[1]) > p.dim
+                   and u.args[1][p.dim] is node for u in node.users):
             cx.fail(node, "reads the size of a sharded dim")
