@@ -1,5 +1,9 @@
 """``SimulatedMesh`` against real processes: the same plan (TP with a dropped and quantized sync
-points) launched over gloo gives the same logits as the simulated mesh in one process."""
+points) launched over gloo gives the same logits as the simulated mesh in one process. Its ranks
+share one capture per program, and generate HF's tokens from prompts shorter than the conv
+kernel (on the CPU, and on a GPU with the Triton kernels)."""
+
+import warnings
 
 import pytest
 import torch
@@ -59,3 +63,29 @@ def test_the_ranks_share_one_capture_of_each_program_and_shard_their_own_sibling
     for program in prefills:
         passes = [h["pass"] for h in program.history]
         assert [h["pass"] for h in program.siblings[0].history][-len(passes):] == passes
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU plan's kernels and CUDA graphs need a GPU")
+@pytest.mark.parametrize("family", ["mamba", "falcon_mamba", "mamba2", "zamba", "zamba2", "llama"])
+def test_short_prompts_on_a_gpu_mesh(family, fresh_seed):
+    """On a GPU (the Triton kernels): prompts of 1 to 7 tokens give HF's greedy tokens at tp = 1
+    (the decode step graphed) and tp = 2 (eager: rank threads cannot capture CUDA graphs at once,
+    and ``cuda_graph=True`` says so)."""
+    model = small_model(family).cuda()
+    generator = torch.Generator().manual_seed(fresh_seed)
+    try:
+        for tp in (1, 2):
+            mesh = ssmshard.SimulatedMesh(model, ssmshard.Plan(tp=tp))
+            for length in (1, 2, 3, 7):
+                ids = torch.randint(1, model.config.vocab_size, (2, length), generator=generator).cuda()
+                mask = torch.ones_like(ids)
+                with torch.no_grad(), warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # tp = 2: the eager decode's warning
+                    tokens = mesh.generate(ids, attention_mask=mask, max_new_tokens=4)
+                    expected = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+                assert torch.equal(tokens, expected), f"{family} tp={tp}: prompt of {length} (seed {fresh_seed})"
+            if tp == 2:
+                with pytest.raises(ValueError, match="cannot capture CUDA graphs at once"):
+                    mesh.generate(ids, attention_mask=mask, max_new_tokens=2, cuda_graph=True)
+    finally:
+        model.cpu()  # the model object is shared by the tests of this process

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 
 import torch
 import triton
@@ -68,6 +69,9 @@ class TunableKernel:
         self.configs = configs
         self.clamp = clamp
         self.tuned = None
+        # Triton's autotuner keeps the arguments of the call it is tuning on itself: two threads
+        # launching at once (a SimulatedMesh's ranks on one GPU) would see each other's.
+        self._lock = threading.Lock()
         if not INTERPRET:
             self.tuned = triton.autotune(
                 configs=configs, key=key, prune_configs_by={"early_config_prune": self._prune},
@@ -97,7 +101,8 @@ class TunableKernel:
     def __call__(self, grid, **kwargs):
         forced = os.environ.get(FORCE_CONFIG_ENV)
         if forced is None and self.tuned is not None and autotune_enabled():
-            self.tuned[grid](**kwargs)
+            with self._lock:
+                self.tuned[grid](**kwargs)
             return
         index = 0 if forced is None else int(forced) % len(self.configs)
         config = self._clamped(self.configs[index], kwargs)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import itertools
 import threading
+import warnings
 
 import torch
 
@@ -65,6 +66,7 @@ class SimulatedMesh:
         self.model = model
         self.timeout = timeout
         self.group = f"ssmshard_simulated{next(_mesh_ids)}"
+        self._warned_eager_decode = False
         program = capture(model, mode="forward") if program is None else program
         captures = CapturedOnce()
         placements = plan.layout(program, model)  # PlanError here, before any rank runs
@@ -102,22 +104,40 @@ class SimulatedMesh:
         return self.run(lambda dm: dm.prefill(input_ids, attention_mask, **kwargs))
 
     def generate(self, input_ids, attention_mask=None, **kwargs):
-        """Rank 0's output of ``DistributedModule.generate`` (every rank returns the same ids)."""
+        """Rank 0's output of ``DistributedModule.generate`` (every rank returns the same ids).
+
+        On a GPU at tp > 1 the decode step runs eagerly: the ranks are threads of one process, and
+        two threads cannot capture CUDA graphs at once. ``cuda_graph="auto"`` says so in a warning
+        (once per mesh); ``cuda_graph=True`` raises ``ValueError`` before anything runs."""
+        if self.plan.tp > 1 and next(self.model.parameters()).is_cuda:
+            kwargs["cuda_graph"] = self._eager_decode(kwargs.get("cuda_graph", "auto"))
         self._generation_programs(kwargs.get("prefill_chunk_size"), input_ids)
-        if self._may_decode_static_kv(kwargs.get("static_kv", "auto")):
+        if self._may_decode_static_kv(kwargs.get("static_kv", "auto"), kwargs.get("cuda_graph", "auto")):
             for dm in self.ranks:  # captured here for the same reason as the other programs
                 dm.static_decode_program()
         return self.run(lambda dm: dm.generate(input_ids, attention_mask, **kwargs))[0]
 
-    def _may_decode_static_kv(self, static_kv) -> bool:
+    def _eager_decode(self, cuda_graph) -> bool:
+        """``cuda_graph`` for a GPU mesh of several ranks: False, or why it cannot be True."""
+        if cuda_graph is True:
+            raise ValueError(f"cuda_graph=True: the {self.plan.tp} ranks of a SimulatedMesh are threads of one "
+                             "process and cannot capture CUDA graphs at once; pass cuda_graph=False (what "
+                             "'auto' does here), or launch real processes (ssmshard.launch, torchrun)")
+        if cuda_graph == "auto" and not self._warned_eager_decode:
+            self._warned_eager_decode = True
+            warnings.warn(f"SimulatedMesh(tp={self.plan.tp}) on a GPU decodes eagerly: its rank threads "
+                          "cannot capture CUDA graphs at once", stacklevel=3)
+        return False
+
+    def _may_decode_static_kv(self, static_kv, cuda_graph="auto") -> bool:
         """Whether ``generate(static_kv=...)`` may decode over static key/value buffers: asked
-        for, or ``"auto"`` with the weights on CUDA (``DistributedModule._static_kv_length``
-        decides and checks the rest)."""
+        for, or ``"auto"`` with the weights on CUDA and the step graphed
+        (``DistributedModule._static_kv_length`` decides and checks the rest)."""
         from ..families import family_of
 
         if static_kv is False or not family_of(self.model).has_attention:
             return False
-        return static_kv != "auto" or next(self.model.parameters()).is_cuda
+        return static_kv != "auto" or (next(self.model.parameters()).is_cuda and cuda_graph is not False)
 
     def _generation_programs(self, chunk_size, input_ids):
         """Capture and shard each rank's generation programs here, one rank after another (export

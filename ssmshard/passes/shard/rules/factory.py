@@ -83,6 +83,14 @@ def new_like(cx, node):
     source, sizes = node.args[0], node.args[1]
     p = cx.placement(source)
     if isinstance(p, Shard) and len(sizes) == len(shape(source)) and _is_own_size(sizes[p.dim], source, p.dim):
+        if isinstance(sizes[p.dim].meta.get("val"), int):
+            # A static size: written as the local size (the read then goes unused), as copy_
+            # allocates its buffers, rather than left to the read at run time.
+            def edit(lcx, n):
+                local = list(n.args[1])
+                local[p.dim] = p.local_size
+                n.args = (n.args[0], local, *n.args[2:])
+            leave_for_localize(node, edit)
         return p
     if any(_is_own_size(size, source, p.dim) for size in sizes if isinstance(p, Shard)):
         cx.fail(node, f"allocates with the size of {p}'s split dim along another dim")
