@@ -34,14 +34,13 @@ import torch
 import torch.distributed as dist
 
 import ssmshard
-from ssmshard.families import BY_NAME
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from decode_gpu import GPU_MODELS, PAD, free_memory, prompt_ids  # noqa: E402
+from decode_gpu import GPU_MODELS, PAD, SMOKE_MODELS as DECODE_SMOKE_MODELS, free_memory, prompt_ids  # noqa: E402
 from generate_gpu import Clock, Recorder, build_random_model  # noqa: E402
 
 HF_ROWS = 16
-SMOKE_MODELS = {f"tiny-{name}": (lambda name=name: BY_NAME[name].make_config()) for name in ("mamba", "mamba2")}
+SMOKE_MODELS = {name: DECODE_SMOKE_MODELS[name] for name in ("tiny-mamba", "tiny-mamba2")}
 
 
 def first_differences(reference, other, logits, prompt):

@@ -48,10 +48,14 @@ class CapturedOnce:
         with self._lock:
             if key not in self._programs:
                 self._programs[key] = capture(model, **options)
-            program = self._programs[key]
-            # The copies read the model's weights until a rank binds its own slices: not copied.
-            shared = {id(t): t for t in (program.weights or {}).values()}
-            return copy.deepcopy(program, memo=shared)
+            return copy_for_a_rank(self._programs[key])
+
+
+def copy_for_a_rank(program):
+    """A deep copy of a captured ``program`` for one rank to shard. The copy reads the model's
+    weights until the rank binds its own slices: they are shared, not copied (no pass writes them)."""
+    shared = {id(t): t for t in (program.weights or {}).values()}
+    return copy.deepcopy(program, memo=shared)
 
 
 class SimulatedMesh:
@@ -75,9 +79,10 @@ class SimulatedMesh:
         self.ranks: list[DistributedModule] = []
         for rank in range(plan.tp):
             options = {"rank": rank, "group": self.group, "kernels": kernels}
-            local = shard_program(copy.deepcopy(program), model, plan, placements=placements, **options)
-            self.ranks.append(DistributedModule(local, local_weights(local, placements, model, rank, permutations), plan, rank,
-                                                model=model, shard_options=options, captures=captures))
+            local = shard_program(copy_for_a_rank(program), model, plan, placements=placements, **options)
+            weights = local_weights(local, placements, model, rank, permutations)
+            self.ranks.append(DistributedModule(local, weights, plan, rank, model=model, shard_options=options,
+                                                captures=captures))
 
     @property
     def program(self):

@@ -92,7 +92,7 @@ def new_like(cx, node):
                 n.args = (n.args[0], local, *n.args[2:])
             leave_for_localize(node, edit)
         return p
-    if any(_is_own_size(size, source, p.dim) for size in sizes if isinstance(p, Shard)):
+    if isinstance(p, Shard) and any(_is_own_size(size, source, p.dim) for size in sizes):
         cx.fail(node, f"allocates with the size of {p}'s split dim along another dim")
     return Replicate()
 
