@@ -94,9 +94,11 @@ def test_tensor_parallel_generation_with_fused_norms_gives_hf_tokens(monkeypatch
     monkeypatch.setattr(ssmshard.Plan, "kernel_choice", lambda self, device: "triton")
     model = small_model("mamba")
     mesh = SimulatedMesh(model, ssmshard.Plan(tp=2))
-    ids = torch.randint(0, model.config.vocab_size, (2, 6))
+    # Ids from 1 and the same minimum length on both sides: this model's EOS and pad id is 0, so a
+    # 0 in the prompt would be padding and an early 0 would end only our generation.
+    ids = torch.randint(1, model.config.vocab_size, (2, 6))
     with torch.no_grad():
-        tokens = mesh.generate(ids, max_new_tokens=4)
+        tokens = mesh.generate(ids, max_new_tokens=4, min_new_tokens=4)
         expected = model.generate(ids, max_new_tokens=4, do_sample=False, min_new_tokens=4)
     assert torch.equal(tokens, expected)
     decode = mesh.ranks[0]._generation["decode"]  # swap_kernels put the fused nodes on their kernel adapters
