@@ -47,6 +47,8 @@ Glossary:
                 (prefill and decode captured and sharded; attention families: ``prefill_program_s``,
                 as their graphed generate needs no decode program of the growing cache),
                 ``static_decode_s`` (the static-K/V decode program, attention families),
+                ``lazy_forward`` (``--lazy-forward``: ``parallelize`` laid the weights out from the
+                prefill program, which ``parallelize_s`` then includes, and captured no forward),
                 ``all_capture_s`` / ``all_passes_s`` (capture
                 and passes over all of these), and ``first_generate_s`` / ``steady_generate_s``
                 of a 2-token batch-1 generation (the difference is the first use's cost: the
@@ -263,7 +265,8 @@ class DecodeBench:
             row = {}
             with time_spent_in(distributed_module, ("capture", "shard_program")) as inside:
                 started = time.perf_counter()
-                dm = ssmshard.parallelize(model, ssmshard.Plan(tp=1, skip_passes=self.args.skip_passes))
+                dm = ssmshard.parallelize(model, ssmshard.Plan(tp=1, skip_passes=self.args.skip_passes),
+                                          lazy_forward=self.args.lazy_forward)
                 synchronize(self.device)
                 row["parallelize_s"] = time.perf_counter() - started
                 row.update(parallelize_capture_s=inside["capture"], parallelize_passes_s=inside["shard_program"])
@@ -280,9 +283,11 @@ class DecodeBench:
             return dm, row
         dm, row = self.timed_step("start", build)
         params = sum(p.numel() for p in model.parameters())
+        # The prefill program names the same kernels, and a lazy forward's module has built no other.
         self.rec.write("start", model=name, params=params, layers=model.config.num_hidden_layers, **row,
+                       lazy_forward=self.args.lazy_forward,
                        kernels=sorted({f"{r['op']}: {r['kernel'] or 'reference'}"
-                                       for r in getattr(dm.program, "kernel_report", [])}))
+                                       for r in getattr(dm.prefill_program(), "kernel_report", [])}))
         return dm
 
     # ------------------------------------------------------------------ ssmshard
@@ -509,6 +514,9 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=7, help="of the random weights and prompts")
     parser.add_argument("--skip-passes", nargs="*", default=[], metavar="PASS",
                         help="optimisation passes ssmshard's plan leaves out (Plan(skip_passes=...)), to measure one")
+    parser.add_argument("--lazy-forward", action="store_true",
+                        help="parallelize(..., lazy_forward=True): weights laid out from the prefill program, "
+                             "no forward program captured before the first forward call")
     parser.add_argument("--plot", metavar="DIR", help="plots and a summary table from DIR's rows")
     return parser.parse_args(argv)
 

@@ -14,7 +14,9 @@ themselves, weight slicing and Python. ``--layers64``: also a 64-layer Mamba of 
 Zamba2 of the small width in Zamba2-2.7B's layout (hybrid layers at 6, 12, ..., 42, 47, 51, two
 shared blocks alternating). ``SSMSHARD_TRACE_ALL_LAYERS=1``: capture traces every layer instead of
 copying traced ones (how capture worked before ``layer_repeat.py``). ``--chunked``: also the first
-chunked-prefill generate (it captures the chunk program). ``--profile FILE``: cProfile to FILE.
+chunked-prefill generate (it captures the chunk program). ``--lazy-forward``: ``parallelize(...,
+lazy_forward=True)``, which lays the weights out from the prefill program and never captures the
+forward program here. ``--profile FILE``: cProfile to FILE.
 ``SSMSHARD_FULL_PROPAGATION=1`` makes the verifier propagate every node after every
 shape-changing pass (how it worked before it recomputed only changed nodes).
 
@@ -59,7 +61,7 @@ def build(family: str, layers: int | None):
     return randomize_weights(build_small_model(family, **overrides), seed=1).eval()
 
 
-def measure(family: str, layers: int | None, chunked: bool):
+def measure(family: str, layers: int | None, chunked: bool, lazy_forward: bool = False):
     model = build(family, layers)
     prompts = torch.randint(3, model.config.vocab_size, (3, 6))
     mask = torch.ones_like(prompts)
@@ -77,7 +79,7 @@ def measure(family: str, layers: int | None, chunked: bool):
         rows.extend((f"  {label}", inside[name]) for label, inside, name in spent if inside[name])
         return result
 
-    dm = timed("parallelize", lambda: ssmshard.parallelize(model, ssmshard.Plan(tp=1)))
+    dm = timed("parallelize", lambda: ssmshard.parallelize(model, ssmshard.Plan(tp=1), lazy_forward=lazy_forward))
     timed("generation programs", dm.generation_programs)
     timed("generate (programs ready)",
           lambda: dm.generate(prompts, attention_mask=mask, max_new_tokens=20, do_sample=False))
@@ -130,6 +132,8 @@ def main():
     parser.add_argument("--layers64", action="store_true", help="also a 64-layer small-width Mamba")
     parser.add_argument("--zamba2-54", action="store_true", help="also a 54-layer small-width Zamba2 (2.7B's layout)")
     parser.add_argument("--chunked", action="store_true", help="also time the first chunked-prefill generate")
+    parser.add_argument("--lazy-forward", action="store_true",
+                        help="parallelize(..., lazy_forward=True): weights laid out from the prefill program")
     parser.add_argument("--profile", help="write a cProfile of everything to this file")
     parser.add_argument("--verifier-nodes", type=int, metavar="TP",
                         help="count the verifier's propagated nodes at this tp instead of timing")
@@ -147,7 +151,7 @@ def main():
     profiler = cProfile.Profile() if args.profile else None
     with profiler or contextlib.nullcontext():
         for family, layers in runs:
-            rows = measure(family, layers, args.chunked)
+            rows = measure(family, layers, args.chunked, args.lazy_forward)
             print(f"{family}{f' ({layers} layers)' if layers else ''}:")
             for name, seconds in rows:
                 print(f"  {name:<45} {seconds:7.2f} s")

@@ -43,7 +43,7 @@ def stopping_eos(new_tokens: list[list[int]], late_stops: range) -> list[int]:
 def device_loop_results(rank, world, family, seed, out_path):
     model = small_model(family)
     ids, mask = left_padded_prompts(model.config.vocab_size, (6, 10), seed)
-    dm = ssmshard.parallelize(model, ssmshard.Plan(tp=world))
+    dm = ssmshard.parallelize(model, ssmshard.Plan(tp=world), lazy_forward=True)  # generation only
     options = dict(max_new_tokens=NEW_TOKENS, pad_token_id=PAD)
     results = {}
     with eos_in_generation_config(model, None):

@@ -91,11 +91,13 @@ def test_graphed_static_kv_decode_generates_the_eager_and_hf_tokens(family, fres
 def test_dm_generate_graphs_decode_at_tp1(family, tmp_path, fresh_seed):
     """dm.generate(cuda_graph=True) at tp = 1 graphs the decode step as the plan makes it (the
     decode passes and kernels: fused norms, decode GEMVs), an attention model's over static
-    key/value buffers (static_kv="auto"): the eager tokens (growing cache), capture and replay."""
+    key/value buffers (static_kv="auto"): the eager tokens (growing cache), capture and replay.
+    Mamba-2 and Zamba2 are built with ``lazy_forward=True`` (weights laid out from prefill)."""
     import json
 
     out = tmp_path / "tokens.json"
-    ssmshard.launch(generate_worker.graphed_vs_eager, 1, family, fresh_seed, str(out), backend="nccl")
+    ssmshard.launch(generate_worker.graphed_vs_eager, 1, family, fresh_seed, str(out), False, None, (),
+                    family in ("mamba2", "zamba2"), backend="nccl")
     tokens = json.loads(out.read_text())
     assert tokens["static_graph"] == (family in ("zamba", "zamba2", "llama")), family
     assert tokens["graphed"] == tokens["eager"] and tokens["again"] == tokens["eager"], (family, fresh_seed)

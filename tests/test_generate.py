@@ -40,8 +40,10 @@ WITH_ATTENTION = [f for f in SIX_FAMILIES if BY_NAME[f].has_attention]
                                          pytest.param(1, SIX_FAMILIES, marks=pytest.mark.slow)],
                          ids=["1", "2-ssm", "2-attention", "4", "1-all"])
 def test_generate_matches_hf_generate_and_states_are_sharded(tp, families, tmp_path, fresh_seed):
-    """Greedy with the model's own generation config: exactly HF's tokens for 3 left-padded
-    prompts of different lengths, 20 new tokens, ``families`` (all six over the tp = 2 tests);
+    """Built with ``lazy_forward=True`` (the forward program is never captured; Mamba-2's and Llama's
+    then built on a first forward call, HF's logits): greedy with the model's own generation
+    config gives exactly HF's tokens for 3 left-padded prompts of different lengths, 20 new
+    tokens, ``families`` (all six over the tp = 2 tests);
     again with EOS ids the model emits early set in that config, so rows stop, are padded, and
     generation ends early. Sampling with a fixed seed (Mamba-2 and Zamba2, to keep the test
     short): the same tokens on every rank and as HF's sampling from the same seed (so tp = 2, 4
@@ -55,8 +57,14 @@ def test_generate_matches_hf_generate_and_states_are_sharded(tp, families, tmp_p
     assert [r["family"] for r in results] == families
     # The families whose EOS is not the pad id (all but Mamba and Falcon-Mamba) also run unmasked.
     assert sum("unmasked_equal_hf" in r for r in results) == len(set(families) - {"mamba", "falcon_mamba"})
+    assert sum("lazy_forward_err" in r for r in results) == len(set(families) & {"mamba2", "llama"})
     for r in results:
         where = f"{r['family']} tp={tp} (seed {fresh_seed})"
+        # Built with lazy_forward=True: generating never captured the forward program.
+        assert "forward" not in r["captured_generating"], (where, r["captured_generating"])
+        if "lazy_forward_err" in r:  # built on the first forward call, over the same local weights
+            assert r["lazy_forward_err"] < 1e-5, (where, r["lazy_forward_err"])
+            assert r["captured_with_forward"].count("forward") == 1, (where, r["captured_with_forward"])
         assert r["greedy_equal_hf"], f"{where}: ours {r['ours']} vs HF {r['hf']}"
         assert r["greedy_same_on_all_ranks"], where
         assert r["early_equal_hf"], f"{where}: EOS {r['early_eos']}: ours {r['early']} vs HF {r['hf_early']}"
@@ -141,6 +149,30 @@ def test_refused_arguments_raise_before_generating():
         generate(None, None, ids, torch.ones(2, 4), model=model)
     with pytest.raises(ValueError, match="2-D"):
         generate(None, None, ids[0], model=model)
+
+
+def test_a_lazy_forward_module_from_a_checkpoint_generates_hf_tokens(tmp_path, fresh_seed):
+    """Zamba2 on the meta device, its weights read from a checkpoint, ``lazy_forward=True`` at tp=2:
+    its prefill program lifts tensors the model does not hold (left to each program) and reads
+    rotary buffers a meta model must recompute. HF's tokens; the forward program captured on the
+    first forward call only, HF's logits."""
+    small_model("zamba2").save_pretrained(tmp_path / "ckpt")
+    out = tmp_path / "lazy.json"
+    ssmshard.launch(generate_worker.lazy_forward_from_a_checkpoint, 2, "zamba2", str(tmp_path / "ckpt"),
+                    fresh_seed, str(out))
+    r = json.loads(out.read_text())
+    where = f"seed {fresh_seed}"
+    assert r["equal_hf"], (where, r["ours"], r["hf"])
+    assert "forward" not in r["captured_generating"], (where, r["captured_generating"])
+    assert r["captured"].count("forward") == 1, (where, r["captured"])
+    assert r["forward_err"] < 1e-5, (where, r["forward_err"])
+
+
+def test_lazy_forward_and_packed_are_refused_together():
+    """``packed=True`` builds the packed forward beside the forward program, which
+    ``lazy_forward=True`` defers: a ValueError before anything is captured."""
+    with pytest.raises(ValueError, match="lazy_forward=True defers the forward: pass one of them"):
+        ssmshard.parallelize(small_model("mamba"), ssmshard.Plan(tp=2), packed=True, lazy_forward=True)
 
 
 def test_checkpoint_generation_config_gives_generate_its_defaults(tmp_path):

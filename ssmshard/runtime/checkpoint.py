@@ -207,9 +207,11 @@ def recompute_buffer(model, fqn: str) -> torch.Tensor:
 
 
 def read_local_weights(program, placements, model, checkpoint: SafetensorsCheckpoint, keys: dict[str, str | None],
-                       rank: int, *, device, progress: bool = True,
-                       permutations: dict | None = None) -> dict[str, torch.Tensor]:
-    """This rank's local tensor for every graph weight, reading only its own slices. A weight in
+                       rank: int, *, device, progress: bool = True, permutations: dict | None = None,
+                       lifted: bool = True) -> dict[str, torch.Tensor]:
+    """This rank's local tensor for every graph weight (``lifted=False``: but the tensors export
+    lifted that the model does not hold, which each program binds itself), reading only its own
+    slices. A weight in
     ``permutations`` (``plan.weight_permutations``: a head permutation the plan carries) gets the
     rows of its slice in their permuted order, read from the unpermuted checkpoint
     (``permutation.local_reads``)."""
@@ -219,8 +221,10 @@ def read_local_weights(program, placements, model, checkpoint: SafetensorsCheckp
     tensors = dict(model.named_parameters(remove_duplicate=False))
     tensors.update(model.named_buffers(remove_duplicate=False))
     weights = {}
-    bar = tqdm(program.param_specs.items(), total=len(program.param_specs), unit="tensor",
-               desc=f"loading rank {rank}'s shards", disable=not progress)
+    specs = {fqn: spec for fqn, spec in program.param_specs.items()
+             if lifted or spec.kind != "constant" or fqn in tensors}
+    bar = tqdm(specs.items(), total=len(specs), unit="tensor", desc=f"loading rank {rank}'s shards",
+               disable=not progress)
     for fqn, spec in bar:
         placement = placements.get(fqn)
         owner = tensors.get(fqn)

@@ -33,13 +33,23 @@ class DistributedModule(torch.nn.Module):
     returns (1, T, vocab) logits, every sequence computed on its own. Under
     ``Plan(tsp=D, tsp_logits="local")`` it returns the logits of this rank's own tokens only, at
     the global positions ``token_positions(L)`` names.
+
+    ``program`` is the sharded program the local weights are laid out from: the forward
+    program, or (``parallelize(..., lazy_forward=True)``) the prefill program, the forward then
+    captured and sharded on first use. Either gives the same placements (``Plan.layout`` reads
+    which weights a program has and their roles, the same in every program of a model).
     """
 
     def __init__(self, program, weights: dict[str, torch.Tensor], plan: Plan, rank: int, *, model=None,
                  shard_options=None, packed_program=None, captures=None):
         super().__init__()
-        self.program = program
-        # callable(model, **capture options) -> Program: where generation programs come from
+        if program.mode not in ("forward", "prefill"):
+            raise ValueError(f"a DistributedModule is built from its forward or prefill program, not {program.mode}")
+        # The program the weights were laid out from: it names the process group, the vocabulary
+        # and the placement of every weight, whichever program is built later.
+        self._layout = program
+        self._forward = program if program.mode == "forward" else None  # else built on first use
+        # callable(model, **capture options) -> Program: where the other programs come from
         # (default: ``capture``; a SimulatedMesh captures once for all its ranks).
         self._captures = captures
         self.packed_program = packed_program  # sharded like ``program``, over the same local weights
@@ -47,7 +57,7 @@ class DistributedModule(torch.nn.Module):
         self.rank = rank
         self._model = model  # captured again (prefill/decode) on the first generate(); may be on meta
         self._shard_options = shard_options
-        self._generation = None
+        self._generation = None if program.mode == "forward" else {"prefill": program}
         self._decode_graphs = {}  # batch size -> GraphedDecode
         self._warned_eager_decode = False
         self.last_generation_loop = None  # "device" or "host": which loop the last generate ran
@@ -60,12 +70,32 @@ class DistributedModule(torch.nn.Module):
             else:
                 self.register_buffer(name, tensor, persistent=False)
         local = {fqn: getattr(self, name) for fqn, name in self._names.items()}
-        program.bind(local)
+        self._bound(program)
         if packed_program is not None:
             missing = sorted(set(packed_program.param_specs) - set(local))
             if missing:
                 raise RuntimeError(f"the packed program reads weights the forward program does not: {missing[:3]}")
             packed_program.bind(local)
+
+    @property
+    def program(self):
+        """This rank's forward program (``report()``, ``sync_points``, ...); captured and sharded
+        on first use where ``parallelize(..., lazy_forward=True)`` built the module."""
+        if self._forward is None:
+            self._forward = self._build_forward()
+        return self._forward
+
+    def _build_forward(self):
+        """Capture and shard the forward program, over the weights laid out from the prefill program."""
+        if self._model is None:
+            raise RuntimeError("this DistributedModule was built without its model; its forward program needs it")
+        program = shard_program(self._capture(mode="forward"), self._model, self.plan, **self._shard_options)
+        unread = sorted(fqn for fqn, spec in program.param_specs.items()
+                        if spec.kind != "constant" and fqn not in self._names)
+        if unread:
+            raise RuntimeError(f"the forward program reads weights the prefill program does not: {unread[:3]}; "
+                               "build this module with parallelize(..., lazy_forward=False)")
+        return self._bound(program)
 
     def local_weight(self, fqn: str) -> torch.Tensor:
         return getattr(self, self._names[fqn])
@@ -81,9 +111,9 @@ class DistributedModule(torch.nn.Module):
         its chunk's offset in a zero buffer of the full segment and all-reduced, so ranks
         holding the same chunk add up and nothing else mixes in.
         """
-        group = self.program.shard["group"]
+        group = self._layout.shard["group"]
         for fqn, name in self._names.items():
-            placement = self.program.param_specs[fqn].placement
+            placement = self._layout.param_specs[fqn].placement
             param = getattr(self, name)
             if not isinstance(placement, Shard) or param.grad is None:
                 continue
@@ -110,7 +140,7 @@ class DistributedModule(torch.nn.Module):
                                  "sequences as one: use ssmshard.parallelize(model, plan, packed=True)")
             program = self.packed_program
         # Re-bind so parameters replaced by .to()/load_state_dict are the ones used.
-        program.weights = self._local_weights()
+        self._bound(program)
         return program(input_ids, cu_seqlens=cu_seqlens, position_ids=position_ids)
 
     def token_positions(self, length: int, device=None) -> torch.Tensor:
@@ -143,12 +173,14 @@ class DistributedModule(torch.nn.Module):
 
     def _build_prefill(self):
         """Capture and shard the prefill program (under TSP its sequence-sharded twin too), once."""
-        if self._generation is not None:
+        generation = self._generation or {}
+        if "prefill" in generation and (self.plan.tsp == 1 or "tsp_prefill" in generation):
             return
         if self._model is None:
             raise RuntimeError("this DistributedModule was built without its model; generation needs it")
-        prefill = shard_program(self._capture(mode="prefill"), self._model, self.plan, **self._shard_options)
-        generation = {"prefill": prefill}
+        if "prefill" not in generation:
+            generation["prefill"] = shard_program(self._capture(mode="prefill"), self._model, self.plan,
+                                                  **self._shard_options)
         if self.plan.tsp > 1:
             # Traced at 8 tokens per chunk: the tsp pass propagates shapes over the local chunks,
             # and where HF branches on the conv kernel (the conv state of a prefill shorter than
@@ -286,14 +318,14 @@ class DistributedModule(torch.nn.Module):
         prefill = self.prefill_program()
         step = self._decode_step(setup, cuda_graph, static_length)
         self.last_generation_loop = "device" if on_device else "host"
-        return run_generation(prefill, step, setup, group=_group_of(self.program), generator=generator,
+        return run_generation(prefill, step, setup, group=_group_of(self._layout), generator=generator,
                               chunk_program=self._chunk_program_for(setup.input_ids, setup.prefill_chunk_size),
                               device_loop=on_device)
 
     def _check_ids(self, input_ids):
         from ..inputs import check_input_ids
 
-        check_input_ids(input_ids, self.program.vocab_size, self.program.weights_device)
+        check_input_ids(input_ids, self._layout.vocab_size, self._layout.weights_device)
 
     def _chunk_program_for(self, input_ids, chunk_size):
         """The chunk program when this prompt is longer than ``chunk_size`` (captured only then)."""
@@ -375,7 +407,8 @@ class DistributedModule(torch.nn.Module):
 
 
 def parallelize(model, plan: Plan, *, group=None, device_mesh=None, checkpoint=None, device=None,
-                progress: bool = True, packed: bool = False, allow_unexpected_keys: bool = False) -> DistributedModule:
+                progress: bool = True, packed: bool = False, allow_unexpected_keys: bool = False,
+                lazy_forward: bool = False) -> DistributedModule:
     """Shard ``model`` for this process's rank of ``group`` (default: the world).
 
     ``device_mesh``: a 1-D ``DeviceMesh`` whose ranks form the tensor-parallel group (instead
@@ -392,11 +425,20 @@ def parallelize(model, plan: Plan, *, group=None, device_mesh=None, checkpoint=N
     :class:`~ssmshard.runtime.checkpoint.CheckpointError`, in every process at once.
     ``packed=True`` also captures and shards the packed forward program, so ``forward`` accepts
     packed batches (:func:`ssmshard.pack`).
+
+    ``lazy_forward=True``, for a module that generates: the weights are laid out from the prefill
+    program, which the first ``generate`` runs anyway, and the forward program (``forward``,
+    ``program``) is captured and sharded on first use. ``parallelize`` then exports one program
+    fewer before the first token (docs/startup.md).
     """
     if packed and plan.tsp_order != "contiguous":
         raise PlanError(f"packed=True runs packed rows under Plan(tsp_order='contiguous') only, not "
                         f"{plan.tsp_order!r}: drop packed=True or tsp_order")
-    program = capture(model, mode="forward")
+    if packed and lazy_forward:
+        raise ValueError("packed=True builds the packed forward program beside the forward program; "
+                         "lazy_forward=True defers the forward: pass one of them")
+    # The program the weights are laid out from; a lazy forward's module starts from prefill's.
+    program = capture(model, mode="prefill" if lazy_forward else "forward")
     # Captured before any process-group work too: a model packing cannot serve fails here.
     packed_program = capture(model, mode="forward", packed=True) if packed else None
     placements = plan.layout(program, model)  # PlanError here, before any process-group work
@@ -425,21 +467,31 @@ def parallelize(model, plan: Plan, *, group=None, device_mesh=None, checkpoint=N
         packed_program = shard_program(packed_program, model, plan, placements=placements, **options)
     module = functools.partial(DistributedModule, plan=plan, rank=rank, model=model, shard_options=options,
                                packed_program=packed_program)
+    # A lazy forward's module holds the model's own tensors only, which every program reads under
+    # the same names; what export lifted into the prefill program beyond them (the empty key/value
+    # tensors a cache starts from) stays that program's own (``DistributedModule._bound``), as the
+    # other generation programs' do.
     if source is not None:
         weights = read_local_weights(program, placements, model, source, keys, rank, device=device,
-                                     progress=progress and rank == 0, permutations=permutations)
-        return module(program, weights)
-    return module(program, local_weights(program, placements, model, rank, permutations))
+                                     progress=progress and rank == 0, permutations=permutations,
+                                     lifted=not lazy_forward)
+    else:
+        weights = local_weights(program, placements, model, rank, permutations, lifted=not lazy_forward)
+    return module(program, weights)
 
 
-def local_weights(program, placements, model, rank: int, permutations=None) -> dict:
-    """Rank ``rank``'s slices of ``model``'s weights (fresh leaf tensors) for ``program``; a weight
-    in ``permutations`` (``plan.weight_permutations``) re-ordered on the way, ``model`` untouched."""
+def local_weights(program, placements, model, rank: int, permutations=None, lifted: bool = True) -> dict:
+    """Rank ``rank``'s slices of ``model``'s weights (fresh leaf tensors) for ``program``, and of
+    the tensors export lifted into it that the model does not hold unless ``lifted=False``; a
+    weight in ``permutations`` (``plan.weight_permutations``) re-ordered on the way, ``model``
+    untouched."""
     named = dict(model.named_parameters(remove_duplicate=False))
     named.update(model.named_buffers(remove_duplicate=False))
     permutations = permutations or {}
     weights = {}
     for fqn, spec in program.param_specs.items():
+        if not lifted and spec.kind == "constant" and fqn not in named:
+            continue
         full = named.get(fqn, program.constants.get(fqn))
         local = permuted_local_slice(full.detach(), placements.get(fqn), rank, permutations.get(fqn))
         weights[fqn] = local.clone().requires_grad_(spec.kind == "parameter" and full.requires_grad)
