@@ -441,8 +441,11 @@ class Bench:
         started = time.perf_counter()
         model = build_random_model(config, self.device, self.suite.dtype, self.args.seed)
         params = sum(p.numel() for p in model.parameters())
-        dm = ssmshard.parallelize(model, ssmshard.Plan(tp=tp, training=False), group=self.groups.replica_group(tp))
-        dm.generation_programs()  # prefill and decode captured while the model holds real values
+        # Generation only: no forward program (lazy_forward), prefill and decode captured while the
+        # model holds real values.
+        dm = ssmshard.parallelize(model, ssmshard.Plan(tp=tp, training=False), group=self.groups.replica_group(tp),
+                                  lazy_forward=True)
+        dm.generation_programs()
         # The full copy is not needed any more: later shape-bucket captures run on meta shapes.
         model.to_empty(device="meta")
         free_memory(self.device)
@@ -452,7 +455,7 @@ class Bench:
         weights = team.gather(allocated_gib(self.device))
         if team.leads:
             kernels = sorted({f"{r['op']}: {r['kernel'] or 'reference'}"
-                              for r in getattr(dm.program, "kernel_report", [])})
+                              for r in getattr(dm.prefill_program(), "kernel_report", [])})
             self.rec.write("build", model=name, tp=tp, ranks=list(ranks), params=params, setup_s=seconds,
                            weights_gib_per_rank=weights, kernels=kernels or "reference (no swap_kernels pass)")
         return dm

@@ -199,8 +199,10 @@ def test_plan_runs_the_inference_passes_where_they_are_safe():
 def _tp_results(rank, world, family, seed, out_path):
     model = small_model(family)
     ids, mask = left_padded_prompts(model.config.vocab_size, (5, 12, 9), seed)
-    dm = ssmshard.parallelize(model, ssmshard.Plan(tp=world))
-    off = ssmshard.parallelize(model, ssmshard.Plan(tp=world, skip_passes=["inplace_decode_states", "fold_weights"]))
+    # Generation only: neither module captures a forward program (lazy_forward).
+    dm = ssmshard.parallelize(model, ssmshard.Plan(tp=world), lazy_forward=True)
+    off = ssmshard.parallelize(model, ssmshard.Plan(tp=world, skip_passes=["inplace_decode_states", "fold_weights"]),
+                               lazy_forward=True)
     ours = dm.generate(ids, mask, max_new_tokens=10)
     unchanged = off.generate(ids, mask, max_new_tokens=10)
     _, decode = dm.generation_programs()

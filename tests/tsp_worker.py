@@ -139,7 +139,9 @@ def generate_results(rank, world, cases, seed, out_path, order="contiguous", wei
     for family, overrides in cases:
         model = small_model(family, **overrides)
         vocab = model.config.vocab_size
-        dm = ssmshard.parallelize(model, ssmshard.Plan(tsp=world, tsp_order=order, tsp_weights=weights))
+        # Generation only: the weights laid out from the (tensor-parallel) prefill program.
+        dm = ssmshard.parallelize(model, ssmshard.Plan(tsp=world, tsp_order=order, tsp_weights=weights),
+                                  lazy_forward=True)
         prefill, _ = dm.generation_programs()
         result = {"family": family, "sequence_sharded": isinstance(prefill, SequenceShardedPrefill)
                   and prefill.program.shard["policy"] == "tsp" and prefill.program.shard["order"] == order,

@@ -34,10 +34,11 @@ class DistributedModule(torch.nn.Module):
     ``Plan(tsp=D, tsp_logits="local")`` it returns the logits of this rank's own tokens only, at
     the global positions ``token_positions(L)`` names.
 
-    ``program`` is the sharded program the local weights are laid out from: the forward
-    program, or (``parallelize(..., lazy_forward=True)``) the prefill program, the forward then
-    captured and sharded on first use. Either gives the same placements (``Plan.layout`` reads
-    which weights a program has and their roles, the same in every program of a model).
+    The ``program`` it is built from is the sharded program its local weights were laid out
+    from: the forward program, or (``parallelize(..., lazy_forward=True)``) the prefill program,
+    the forward program (the ``program`` attribute) then captured and sharded on first use. Either
+    gives the same placements (``Plan.layout`` reads which weights a program has and their roles,
+    the same in every program of a model).
     """
 
     def __init__(self, program, weights: dict[str, torch.Tensor], plan: Plan, rank: int, *, model=None,
