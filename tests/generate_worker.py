@@ -7,9 +7,9 @@ import torch.distributed as dist
 
 import ssmshard
 from ssmshard.capture import flatten_states
-from ssmshard.runtime import distributed
 from ssmshard.hf_compat import cache_kwarg
 from ssmshard.placement import Shard
+from ssmshard.runtime import distributed
 from ssmshard.runtime.generate import generate
 from ssmshard.testing import rel_err
 
