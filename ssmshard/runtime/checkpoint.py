@@ -206,11 +206,18 @@ def recompute_buffer(model, fqn: str) -> torch.Tensor:
     return value
 
 
+def weights_to_hold(program, named: dict, lifted: bool = True) -> dict:
+    """The weight specs of ``program`` a module holds: every one, or with ``lifted=False`` all but
+    the tensors export lifted that the model does not hold (``named``: its parameters and buffers
+    by name), which each program binds itself (``DistributedModule._bound``)."""
+    return {fqn: spec for fqn, spec in program.param_specs.items()
+            if lifted or spec.kind != "constant" or fqn in named}
+
+
 def read_local_weights(program, placements, model, checkpoint: SafetensorsCheckpoint, keys: dict[str, str | None],
                        rank: int, *, device, progress: bool = True, permutations: dict | None = None,
                        lifted: bool = True) -> dict[str, torch.Tensor]:
-    """This rank's local tensor for every graph weight (``lifted=False``: but the tensors export
-    lifted that the model does not hold, which each program binds itself), reading only its own
+    """This rank's local tensor for every graph weight (``weights_to_hold``), reading only its own
     slices. A weight in
     ``permutations`` (``plan.weight_permutations``: a head permutation the plan carries) gets the
     rows of its slice in their permuted order, read from the unpermuted checkpoint
@@ -221,8 +228,7 @@ def read_local_weights(program, placements, model, checkpoint: SafetensorsCheckp
     tensors = dict(model.named_parameters(remove_duplicate=False))
     tensors.update(model.named_buffers(remove_duplicate=False))
     weights = {}
-    specs = {fqn: spec for fqn, spec in program.param_specs.items()
-             if lifted or spec.kind != "constant" or fqn in tensors}
+    specs = weights_to_hold(program, tensors, lifted)
     bar = tqdm(specs.items(), total=len(specs), unit="tensor", desc=f"loading rank {rank}'s shards",
                disable=not progress)
     for fqn, spec in bar:

@@ -17,7 +17,7 @@ from ..permutation import permuted_local_slice
 from ..placement import Shard, local_slice
 from ..plan import Plan, PlanError
 from ..token_layout import TokenLayout
-from .checkpoint import SafetensorsCheckpoint, match_checkpoint, read_local_weights
+from .checkpoint import SafetensorsCheckpoint, match_checkpoint, read_local_weights, weights_to_hold
 from .pipeline import shard_program
 
 _group_ids = itertools.count()
@@ -482,17 +482,14 @@ def parallelize(model, plan: Plan, *, group=None, device_mesh=None, checkpoint=N
 
 
 def local_weights(program, placements, model, rank: int, permutations=None, lifted: bool = True) -> dict:
-    """Rank ``rank``'s slices of ``model``'s weights (fresh leaf tensors) for ``program``, and of
-    the tensors export lifted into it that the model does not hold unless ``lifted=False``; a
-    weight in ``permutations`` (``plan.weight_permutations``) re-ordered on the way, ``model``
-    untouched."""
+    """Rank ``rank``'s slices of ``model``'s weights (fresh leaf tensors) for the weights of
+    ``program`` a module holds (``weights_to_hold``); a weight in ``permutations``
+    (``plan.weight_permutations``) re-ordered on the way, ``model`` untouched."""
     named = dict(model.named_parameters(remove_duplicate=False))
     named.update(model.named_buffers(remove_duplicate=False))
     permutations = permutations or {}
     weights = {}
-    for fqn, spec in program.param_specs.items():
-        if not lifted and spec.kind == "constant" and fqn not in named:
-            continue
+    for fqn, spec in weights_to_hold(program, named, lifted).items():
         full = named.get(fqn, program.constants.get(fqn))
         local = permuted_local_slice(full.detach(), placements.get(fqn), rank, permutations.get(fqn))
         weights[fqn] = local.clone().requires_grad_(spec.kind == "parameter" and full.requires_grad)
