@@ -149,6 +149,10 @@ class _StaticDecode(_Decode):
             if isinstance(getattr(layer, "keys", None), torch.Tensor) and hasattr(layer, "cumulative_length"):
                 layer.cumulative_length = cache_position.clone()  # the layer advances it in place
                 layer.max_cache_len = layer.keys.shape[2]
+        # The model reads the tokens seen so far (before any layer runs) from the input, which no
+        # layer advances, not from its first attention layer's counter: that layer then traces as
+        # every later one does, so capture may take it as an example of its kind (layer_repeat.py).
+        cache.get_seq_length = lambda layer_idx=0: cache_position
         inputs = _generation_inputs(self.model, input_ids, attention_mask, position_ids, False,
                                     next_sequence_length=1, **{self.cache_kwarg: cache})
         out = self.model(**inputs)
@@ -429,9 +433,7 @@ def _capture_one(model, family, mode, example_batch, example_seq, packed=False, 
     shapes = (example_batch, example_seq, packed, example_past, static_kv, static_length)
     found = decoder_layers(model)
     try:
-        # A static decode's first attention layer never matches later ones (repetitions' docstring):
-        # trying it as an example would cost one export that always fails its check.
-        plans = repetitions(model, first_layers_as_examples=not static_kv)
+        plans = repetitions(model)
     except NotRepeatable as error:
         plans, reason = [], str(error)
     for plan in plans:

@@ -105,13 +105,10 @@ def layer_kinds(model) -> list[tuple[str, str | None]]:
             for i, layer in enumerate(layers)]
 
 
-def repetitions(model, first_layers_as_examples: bool = True) -> list[Repetition]:
+def repetitions(model) -> list[Repetition]:
     """The plans to try, shortest prefix first (module docstring); :class:`NotRepeatable` says why
     there is none. The first may take a kind's first layer as an example; where that layer traced
-    work later layers reuse, its check fails and the second, which does not, is next.
-    ``first_layers_as_examples=False`` gives only plans of the second sort, for programs where a
-    kind's first layer is known to differ (capture's static-K/V decode: the model reads its
-    positions off the first attention layer's position counter, later layers keep theirs)."""
+    work later layers reuse, its check fails and the second, which does not, is next."""
     if os.environ.get("SSMSHARD_TRACE_ALL_LAYERS", "0") not in ("", "0"):
         raise NotRepeatable("SSMSHARD_TRACE_ALL_LAYERS is set")
     if decoder_layers(model) is None:
@@ -121,7 +118,7 @@ def repetitions(model, first_layers_as_examples: bool = True) -> list[Repetition
         raise NotRepeatable(f"{len(kinds)} layers: nothing to repeat")
     first_of_kind = {kinds.index(kind) for kind in set(kinds)}
     plans = []
-    for excluded in (set(), first_of_kind) if first_layers_as_examples else (first_of_kind,):
+    for excluded in (set(), first_of_kind):
         plan = _shortest_prefix(kinds, excluded)
         if plan is not None and plan not in plans:
             plans.append(plan)

@@ -3,6 +3,7 @@ and against Hugging Face eager: layers all alike (three traced) and hybrids (a l
 
 import logging
 import re
+import sys
 
 import pytest
 import torch
@@ -37,6 +38,18 @@ def _capture(model, mode, monkeypatch, all_layers: bool, **kwargs):
     return ssmshard.capture(model, mode=mode, **kwargs)
 
 
+def _record_traced_prefixes(monkeypatch) -> list:
+    """The traced prefix of each plan capture then tries, in order (a list this fills)."""
+    capture_module = sys.modules["ssmshard.capture"]
+    tried, repeat_layers = [], capture_module.repeat_layers
+
+    def recording(program, model, repeat, *args, **kwargs):
+        tried.append(repeat.traced)
+        return repeat_layers(program, model, repeat, *args, **kwargs)
+    monkeypatch.setattr(capture_module, "repeat_layers", recording)
+    return tried
+
+
 def _nodes(program):
     return program_signature(program)["nodes"]
 
@@ -67,15 +80,18 @@ def test_repeated_layers_give_the_graph_of_every_layer_traced_and_hf_logits(fami
     modes = ["forward", "prefill", "decode"] + (["chunk"] if family != "llama" else []) + \
         (["static decode"] if family in ("llama", *HYBRIDS) else [])
     programs = {}
+    prefixes = _record_traced_prefixes(monkeypatch)
     for mode in modes:
         kwargs = {"static_kv": True} if mode == "static decode" else {}
         mode = mode.split()[-1]
         with caplog.at_level(logging.INFO, logger="ssmshard.capture"):
             caplog.clear()
+            prefixes.clear()
             repeated = _capture(model, mode, monkeypatch, all_layers=False, **kwargs)
         assert "tracing all" not in caplog.text, f"{family} {mode}: {caplog.text}"
-        if kwargs:  # one export: the plan taking a first attention layer as example is not tried
+        if kwargs:  # one export of the shortest prefix: its first attention layer serves as an example too
             assert "failed its check" not in caplog.text, f"{family} static decode: {caplog.text}"
+            assert prefixes == [repetitions(model)[0].traced], (family, prefixes)
         assert {row[1] for row in _nodes(repeated)} >= set(range(layers))
         programs.setdefault(mode, repeated)
         if compare == "decode" and mode != "decode":

@@ -3,11 +3,12 @@
 # same machine alternate the two ways, so each is measured with warm caches, twice where time allows.
 #   MODELS="llama-3-8b zamba2-2.7b" bash benchmarks/results/decode/run_lazy_forward_start_gpu.sh
 #   # $OUT: start_<round>/rows_rank0.jsonl and start_<round>.log
+#   ROUNDS="cold_lazy warm_lazy" ...    # only these rounds (a round named *lazy* runs with the flag)
 set -x
 export PYTHONPATH=$PWD
 nvidia-smi --query-gpu=name --format=csv,noheader
 ROUND_S=${ROUND_S:-100}
-for round in cold_eager warm_lazy warm_eager warm_lazy2 warm_eager2; do
+for round in ${ROUNDS:-cold_eager warm_lazy warm_eager warm_lazy2 warm_eager2}; do
   [ $((${T:-585} - SECONDS)) -lt $((ROUND_S + 20)) ] && { echo "no time for $round"; break; }
   flag=; case $round in *lazy*) flag=--lazy-forward;; esac
   timeout $((ROUND_S + 15)) python benchmarks/decode_gpu.py --out $OUT/start_$round $flag \
