@@ -123,7 +123,8 @@ class Plan:
     kernels), ``inplace_decode_states`` (the decode program
     writes each new state into the state tensor it was given and returns that tensor: the states
     passed in are overwritten), ``fuse_cache_write`` (a static-K/V decode step's rotary embedding and
-    its two key/value cache writes as one kernel launch; under the Triton kernels), ``fold_weights``
+    its two key/value cache writes as one kernel launch, or the two writes alone where there is no
+    rotary embedding; under the Triton kernels), ``fold_weights``
     (weight-only subgraphs such as ``-exp(A_log.float())`` and casts of weights computed once per
     binding of the weights instead of every call: decode always, prefill and chunk when
     ``training=False``, forward programs never, since gradients must reach the weights) and
@@ -268,7 +269,7 @@ class Plan:
         boolean attention mask made additive once a step) and ``swap_kernels`` (it only retargets SSM ops);
         then the inference passes (``inference_steps``) and, for decode programs under the Triton
         kernels, ``fuse_cache_write`` (the rotary kernel writing keys and values into the static
-        cache), and ``decode_attention`` (the one-position attention on its own kernel: head dims
+        cache, or one kernel writing both where there is no rotary embedding), and ``decode_attention`` (the one-position attention on its own kernel: head dims
         that are not a power of two, every head dim when ``add_passes`` asks for it).
         ``runtime.pipeline.shard_program`` runs them; ``ssmshard inspect`` and the runtime both go
         through it. Under ``tsp``, forward programs are the ``tsp`` pass's;
@@ -304,7 +305,7 @@ class Plan:
             steps.append(("swap_kernels", {"kernels": "triton", "compile": self.compile}))
         steps += self.inference_steps(mode)
         if kernels == "triton" and mode == "decode":  # after inplace_decode_states, on the rotary kernel
-            steps.append(("fuse_cache_write", {}))
+            steps.append(("fuse_cache_write", {"compile": self.compile}))
             # After fuse_cache_write, which matches SDPA nodes.
             steps.append(("decode_attention", {"compile": self.compile,
                                                "every_head_dim": "decode_attention" in self.add_passes}))

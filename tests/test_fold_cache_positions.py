@@ -31,14 +31,19 @@ def test_static_decode_loses_four_nodes_per_attention_layer(family):
     assert _count(plain, aten.arange.default) - _count(folded, aten.arange.default) == report["slots"]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("family", ["llama", "zamba2"])
+# Zamba2's shared attention without its rotary embedding (Zamba2-2.7B's config): the cache writes
+# are fused alone.
+NO_ROTARY = {"zamba2_no_rotary": ("zamba2", {"use_mem_rope": False})}
+
+
+@pytest.mark.parametrize("family, tp", [("llama", 1), ("llama", 2), ("zamba2", 1), ("zamba2", 2), ("zamba2_no_rotary", 2)])
 def test_static_kv_generation_with_the_gpu_plan_equals_hf(family, tp, monkeypatch, fresh_seed):
     """The GPU plan's static decode program, the one CUDA graphs replay (``fold_cache_positions``,
     ``fuse_rotary``, ``hoist_attention_mask`` and ``fuse_cache_write`` among its passes; the kernel adapters run the reference ops on CPU
     tensors), from left-padded prompts."""
     monkeypatch.setattr(ssmshard.Plan, "kernel_choice", lambda self, device: "triton")
-    model = small_model(family)
+    name, overrides = NO_ROTARY.get(family, (family, {}))
+    model = small_model(name, **overrides)
     mesh = ssmshard.SimulatedMesh(model, ssmshard.Plan(tp=tp))
     generator = torch.Generator().manual_seed(fresh_seed)
     ids = torch.randint(1, model.config.vocab_size, (3, 7), generator=generator)
@@ -53,9 +58,13 @@ def test_static_kv_generation_with_the_gpu_plan_equals_hf(family, tp, monkeypatc
     attention_layers = sum(1 for spec in program.state_specs if spec.kind == "key")
     assert program.cache_position_report["counter_bumps"] == attention_layers
     assert program.attention_mask_report == {"attention_calls": attention_layers, "masks": 1}
-    # q and k's rotary embedding and the two cache writes, one call a layer (fuse_rotary, fuse_cache_write).
-    fused = [n for n in program.graph.nodes if n.target is fuse_cache_write.rotary_into_cache_kernel]
-    assert len(fused) == attention_layers and program.cache_write_report == {"layers": attention_layers}
+    # q and k's rotary embedding and the two cache writes, or the writes alone, one call a layer
+    # (fuse_rotary, fuse_cache_write).
+    rotary = family not in NO_ROTARY
+    fused = [n for n in program.graph.nodes if n.target is (fuse_cache_write.rotary_into_cache_kernel if rotary
+                                                             else fuse_cache_write.kv_into_cache_kernel)]
+    assert len(fused) == attention_layers
+    assert program.cache_write_report == {"layers": attention_layers, "writes_only": 0 if rotary else attention_layers}
     assert not any(n.target is aten.index_copy_.default for n in program.graph.nodes)
 
 

@@ -23,8 +23,14 @@ head dim contiguous, as the kernel needs). The fused call stands where the later
 a node reading a cache (or a view of it) between the old and the new write, or the rotated
 queries before it, keeps the program as it was. Decode programs under the Triton
 kernels, after ``inplace_decode_states`` (which must still see the copies writing into clones).
-``program.cache_write_report`` counts the fused layers. ``Plan(skip_passes=["fuse_cache_write"])``
-turns it off.
+A layer without a rotary embedding (Zamba's and Zamba2's shared attention) writes its new keys and
+values with the two copies alone: they become one call of ``kv_into_cache_kernel``
+(``kernels.cache_write.kv_into_cache`` on CUDA tensors, the same copies elsewhere), on the same
+conditions (the attention reads both writes, of one slot; nothing reads a cache between them), as
+do the writes of a layer whose rotation the rotary kernel cannot take over (values of another
+head dim); not under ``Plan(compile=True)``, whose Inductor takes the copies as they are.
+``program.cache_write_report`` counts the fused layers (``layers``) and, of them, those whose
+writes alone were fused (``writes_only``). ``Plan(skip_passes=["fuse_cache_write"])`` turns it off.
 """
 
 from __future__ import annotations
@@ -52,6 +58,19 @@ def rotary_into_cache_kernel(q, k, v, cos, sin, slot, key_cache, value_cache):
     key_cache.index_copy_(2, slot, k_rot)
     value_cache.index_copy_(2, slot, v)
     return q_rot, key_cache, value_cache
+
+
+def kv_into_cache_kernel(k, v, slot, key_cache, value_cache):
+    """k into ``key_cache[:, :, slot]``, v into ``value_cache[:, :, slot]``: ``(key_cache,
+    value_cache)``. One Triton launch on CUDA tensors, the two ``index_copy_`` elsewhere."""
+    if _on_gpu(k) and not torch.is_grad_enabled():
+        from ..kernels.cache_write import kv_into_cache
+
+        kv_into_cache(k, v, slot, key_cache, value_cache)
+        return key_cache, value_cache
+    key_cache.index_copy_(2, slot, k)
+    value_cache.index_copy_(2, slot, v)
+    return key_cache, value_cache
 
 
 def _outputs(node) -> dict:
@@ -101,12 +120,33 @@ def _match(rotary):
     return None
 
 
+def _match_plain(attention):
+    """The two cache writes an attention reads as its keys and values, of one slot, or None."""
+    if len(attention.args) < 3:
+        return None
+    key, value = _cache_write(attention.args[1]), _cache_write(attention.args[2])
+    if key is None or value is None or key[1] is not value[1] or attention.args[1] is attention.args[2]:
+        return None
+    return {"q": None, "key_write": attention.args[1], "value_write": attention.args[2], "key": key, "value": value}
+
+
+def _writable_plain(match) -> bool:
+    """What ``kernels.cache_write.kv_into_cache`` serves: each cache of its tensor's dtype and head
+    dim, the head dim contiguous."""
+    for cache, _, x in (match["key"], match["value"]):
+        cache, x = value_of(cache), value_of(x)
+        if not (isinstance(cache, torch.Tensor) and isinstance(x, torch.Tensor) and x.dim() == 4
+                and cache.shape[-1] == x.shape[-1] and cache.dtype == x.dtype and cache.stride(-1) == 1):
+            return False
+    return True
+
+
 def _safe(match, order) -> bool:
     """Whether moving both writes (and the rotation) to the later write's place changes nothing
     any other node reads."""
     writes = (match["key_write"], match["value_write"])
     at = max(map(order.__getitem__, writes))
-    if any(order[u] <= at for u in match["q"].users):
+    if match["q"] is not None and any(order[u] <= at for u in match["q"].users):
         return False
     for write in writes:  # a reader between a write's old place and the new one would see the old cache
         shared = {*aliases(write.args[0]), *aliases(write)}  # the cache, the write's result, views of either
@@ -127,24 +167,45 @@ def _fuse(graph, match, order) -> None:
         fused = graph.call_function(rotary_into_cache_kernel, (q, k, v, cos, sin, slot, key_cache, value_cache))
     fused.meta.update({k: v for k, v in match["rotary"].meta.items() if k not in ("val", "placement")})
     fused.meta["val"] = (value_of(match["q"]), value_of(writes[0]), value_of(writes[1]))
+    _replace_outputs(graph, fused, (match["q"], *writes))
+    for node in (*writes, match["k_rot"], match["q"], match["rotary"]):
+        graph.erase_node(node)
+
+
+def _fuse_plain(graph, match, order) -> None:
+    key_cache, slot, k = match["key"]
+    value_cache, _, v = match["value"]
+    writes = (match["key_write"], match["value_write"])
+    later = max(writes, key=order.__getitem__)
+    with graph.inserting_after(later):
+        fused = graph.call_function(kv_into_cache_kernel, (k, v, slot, key_cache, value_cache))
+    fused.meta.update({name: meta for name, meta in later.meta.items() if name not in ("val", "placement")})
+    fused.meta["val"] = tuple(value_of(w) for w in writes)
+    _replace_outputs(graph, fused, writes)
+    for node in writes:
+        graph.erase_node(node)
+
+
+def _replace_outputs(graph, fused, old_nodes) -> None:
+    """Each of ``old_nodes`` replaced by the matching output of ``fused``, which takes over their
+    placements."""
     previous = fused
-    for i, old in enumerate((match["q"], *writes)):
+    for i, old in enumerate(old_nodes):
         with graph.inserting_after(previous):
             out = graph.call_function(operator.getitem, (fused, i))
         out.meta.update(old.meta)
         old.replace_all_uses_with(out)
         previous = out
-    placements = [n.meta.get("placement") for n in (match["q"], *writes)]
+    placements = [n.meta.get("placement") for n in old_nodes]
     if all(p is not None for p in placements):
         fused.meta["placement"] = tuple(placements)
-    for node in (*writes, match["k_rot"], match["q"], match["rotary"]):
-        graph.erase_node(node)
 
 
 @register("fuse_cache_write")
 def fuse_cache_write(program, ctx):
-    """Fuse each static-K/V layer's rotary embedding and cache writes (module docstring)."""
-    fused = 0
+    """Fuse each static-K/V layer's rotary embedding and cache writes, or its cache writes alone
+    (module docstring). Option: ``compile`` (leave writes without a rotary embedding to Inductor)."""
+    fused = plain = 0
     if program.mode == "decode":
         graph = program.graph
         adapter = KERNELS[ssm.rotary.default][0]
@@ -154,5 +215,15 @@ def fuse_cache_write(program, ctx):
             if match is not None and _writable(match) and _safe(match, order):
                 _fuse(graph, match, order)
                 fused += 1
-    program.cache_write_report = {"layers": fused}
+        compiled = ctx is not None and ctx.options.get("compile", False)
+        attentions = [] if compiled else [n for n in graph.nodes if calls(n, aten.scaled_dot_product_attention.default)]
+        for attention in attentions:
+            match = _match_plain(attention)
+            if match is None or not _writable_plain(match):
+                continue
+            order = node_order(graph)  # per match: a fusion moves nodes
+            if _safe(match, order):
+                _fuse_plain(graph, match, order)
+                plain += 1
+    program.cache_write_report = {"layers": fused + plain, "writes_only": plain}
     return program
