@@ -25,8 +25,8 @@ from .token_layout import ORDERS as TSP_ORDERS
 
 
 # Passes a plan runs only to make its programs faster; ``Plan(skip_passes=[...])`` leaves them out.
-OPTIONAL_PASSES = ("fuse_rmsnorm", "decode_gemv", "fuse_dt_proj", "group_decode_linears", "fuse_rotary",
-                   "fold_cache_positions", "hoist_attention_mask", "inplace_decode_states", "fuse_cache_write",
+OPTIONAL_PASSES = ("fuse_rmsnorm", "decode_gemv", "fuse_dt_proj", "group_decode_linears", "fuse_gated_activation",
+                   "fuse_rotary", "fold_cache_positions", "hoist_attention_mask", "inplace_decode_states", "fuse_cache_write",
                    "fold_weights", "decode_attention")
 # What a plan runs only when asked (``Plan(add_passes=[...])``): measured, not faster everywhere.
 # ``decode_attention`` runs by default on head dims PyTorch's backends pad; asked for, on every head dim.
@@ -115,7 +115,9 @@ class Plan:
     ``fuse_dt_proj`` (Mamba-1's ``dt_proj`` computed inside the decode step's state update kernel
     instead of as a kernel of its own; under the Triton kernels), ``group_decode_linears`` (a decode
     step's linear layers that read the same input, such as q/k/v and gate/up, as one kernel launch
-    at batch 1; under the Triton kernels), ``fuse_rotary`` (a decode step's rotary embedding of q and
+    at batch 1; under the Triton kernels), ``fuse_gated_activation`` (a gated MLP's activation and
+    product, ``act(gate) * up``, as one kernel launch in decode steps; under the Triton kernels, not
+    compiled), ``fuse_rotary`` (a decode step's rotary embedding of q and
     k, ten small ops a layer, as one kernel launch; under the Triton kernels), ``fold_cache_positions``
     (a static-K/V decode step's per-layer slot arithmetic, four small kernels a layer, read from its
     cache-position input; under the Triton kernels), ``hoist_attention_mask`` (a decode step's boolean
@@ -263,7 +265,8 @@ class Plan:
         that does not train: each RMSNorm and the residual add before it as one node), ``decode_gemv``
         (decode programs: linear layers on the skinny-matmul op), ``fuse_dt_proj`` (decode programs:
         Mamba-1's dt projection inside the state update), ``group_decode_linears`` (decode programs:
-        linear layers reading one input as one op), ``fuse_rotary`` (decode programs: q and k's rotary
+        linear layers reading one input as one op), ``fuse_gated_activation`` (decode programs: a gated
+        MLP's ``act(gate) * up`` as one op), ``fuse_rotary`` (decode programs: q and k's rotary
         embedding as one op), ``fold_cache_positions`` (decode programs: the static-K/V slot arithmetic
         folded into views of the cache position), ``hoist_attention_mask`` (decode programs: the
         boolean attention mask made additive once a step) and ``swap_kernels`` (it only retargets SSM ops);
@@ -299,6 +302,7 @@ class Plan:
                 steps.append(("decode_gemv", {}))
                 steps.append(("fuse_dt_proj", {}))
                 steps.append(("group_decode_linears", {}))
+                steps.append(("fuse_gated_activation", {"compile": self.compile}))
                 steps.append(("fuse_rotary", {}))
                 steps.append(("fold_cache_positions", {}))
                 steps.append(("hoist_attention_mask", {}))

@@ -66,6 +66,8 @@ def test_static_kv_generation_with_the_gpu_plan_equals_hf(family, tp, monkeypatc
     assert len(fused) == attention_layers
     assert program.cache_write_report == {"layers": attention_layers, "writes_only": 0 if rotary else attention_layers}
     assert not any(n.target is aten.index_copy_.default for n in program.graph.nodes)
+    # Each layer's (Llama) or shared block's (Zamba2) MLP: its activation and product one call.
+    assert program.gated_activation_report == {"silu" if family == "llama" else "gelu": attention_layers}
 
 
 def _traced(fn, *inputs):
