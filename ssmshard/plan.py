@@ -26,8 +26,8 @@ from .token_layout import ORDERS as TSP_ORDERS
 
 # Passes a plan runs only to make its programs faster; ``Plan(skip_passes=[...])`` leaves them out.
 OPTIONAL_PASSES = ("fuse_rmsnorm", "decode_gemv", "fuse_dt_proj", "group_decode_linears", "fuse_gated_activation",
-                   "fuse_rotary", "fold_cache_positions", "hoist_attention_mask", "inplace_decode_states", "fuse_cache_write",
-                   "fold_weights", "decode_attention")
+                   "fuse_rotary", "fold_cache_positions", "hoist_attention_mask", "inplace_decode_states",
+                   "fuse_cache_write", "fold_weights", "decode_attention")
 # What a plan runs only when asked (``Plan(add_passes=[...])``): measured, not faster everywhere.
 # ``decode_attention`` runs by default on head dims PyTorch's backends pad; asked for, on every head dim.
 OPT_IN_PASSES = ("decode_attention",)
@@ -117,8 +117,8 @@ class Plan:
     step's linear layers that read the same input, such as q/k/v and gate/up, as one kernel launch
     at batch 1; under the Triton kernels), ``fuse_gated_activation`` (a gated MLP's activation and
     product, ``act(gate) * up``, as one kernel launch in decode steps; under the Triton kernels, not
-    compiled), ``fuse_rotary`` (a decode step's rotary embedding of q and
-    k, ten small ops a layer, as one kernel launch; under the Triton kernels), ``fold_cache_positions``
+    compiled), ``fuse_rotary`` (a decode step's rotary embedding of q and k, ten small ops a layer,
+    as one kernel launch; under the Triton kernels), ``fold_cache_positions``
     (a static-K/V decode step's per-layer slot arithmetic, four small kernels a layer, read from its
     cache-position input; under the Triton kernels), ``hoist_attention_mask`` (a decode step's boolean
     attention mask made additive once instead of by every attention layer; under the Triton
@@ -126,9 +126,9 @@ class Plan:
     writes each new state into the state tensor it was given and returns that tensor: the states
     passed in are overwritten), ``fuse_cache_write`` (a static-K/V decode step's rotary embedding and
     its two key/value cache writes as one kernel launch, or the two writes alone where there is no
-    rotary embedding; under the Triton kernels), ``fold_weights``
-    (weight-only subgraphs such as ``-exp(A_log.float())`` and casts of weights computed once per
-    binding of the weights instead of every call: decode always, prefill and chunk when
+    rotary embedding; under the Triton kernels), ``fold_weights`` (weight-only subgraphs such as
+    ``-exp(A_log.float())`` and casts of weights computed once per binding of the weights instead
+    of every call: decode always, prefill and chunk when
     ``training=False``, forward programs never, since gradients must reach the weights) and
     ``decode_attention`` (a decode step's one-position attention on ssmshard's Triton kernel instead
     of PyTorch's SDPA backend where the head dim is not a power of two, which cuDNN pads, such as
@@ -272,8 +272,9 @@ class Plan:
         boolean attention mask made additive once a step) and ``swap_kernels`` (it only retargets SSM ops);
         then the inference passes (``inference_steps``) and, for decode programs under the Triton
         kernels, ``fuse_cache_write`` (the rotary kernel writing keys and values into the static
-        cache, or one kernel writing both where there is no rotary embedding), and ``decode_attention`` (the one-position attention on its own kernel: head dims
-        that are not a power of two, every head dim when ``add_passes`` asks for it).
+        cache, or one kernel writing both where there is no rotary embedding), and
+        ``decode_attention`` (the one-position attention on its own kernel: head dims that are not
+        a power of two, every head dim when ``add_passes`` asks for it).
         ``runtime.pipeline.shard_program`` runs them; ``ssmshard inspect`` and the runtime both go
         through it. Under ``tsp``, forward programs are the ``tsp`` pass's;
         ``sequence_sharded=True`` asks for it on a prefill program too (the TSP prefill, whose
