@@ -73,8 +73,8 @@ def test_pipeline_fuses_inference_programs_only_under_triton():
     decode = pipeline_steps(plan, "decode", "triton")
     # then the decode GEMVs and the kernels, then the inference passes
     between = decode[decode.index("fuse_rmsnorm") + 1:decode.index("swap_kernels") + 1]
-    assert between == ["decode_gemv", "fuse_dt_proj", "group_decode_linears", "fuse_rotary", "fold_cache_positions",
-                       "hoist_attention_mask", "swap_kernels"]
+    assert between == ["decode_gemv", "fuse_dt_proj", "group_decode_linears", "fuse_gated_activation", "fuse_rotary",
+                       "fold_cache_positions", "hoist_attention_mask", "swap_kernels"]
     assert "fuse_rmsnorm" in pipeline_steps(plan, "prefill", "triton")
     # Training forward programs keep torch's norms (the fused kernel has no backward).
     assert "fuse_rmsnorm" not in pipeline_steps(plan, "forward", "triton") + pipeline_steps(plan, "decode", "reference")
