@@ -34,10 +34,9 @@ import torch.nn.functional as F
 
 from .manager import register
 from .shard.context import calls, sdpa_arguments, value_of
-from .swap_kernels import _on_gpu
+from .swap_kernels import KERNEL_DTYPES, _on_gpu
 
 aten = torch.ops.aten
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the kernel's (kernels/rounding.TL_DTYPES)
 
 
 def decode_attention_kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -76,9 +75,9 @@ def _served(a: dict) -> bool:
     if k.dim() != 4 or v.dim() != 4 or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
         return False
     mask = value_of(a.get("attn_mask"))
-    if a.get("attn_mask") is not None and (mask is None or (mask.dtype != torch.bool and mask.dtype not in _DTYPES)):
+    if a.get("attn_mask") is not None and (mask is None or (mask.dtype != torch.bool and mask.dtype not in KERNEL_DTYPES)):
         return False
-    return q.dtype == k.dtype == v.dtype and q.dtype in _DTYPES
+    return q.dtype == k.dtype == v.dtype and q.dtype in KERNEL_DTYPES
 
 
 def _power_of_two(n: int) -> bool:

@@ -90,15 +90,10 @@ def _cache_write(node):
 
 
 def _writable(match) -> bool:
-    """What ``kernels.rotary.rotary_into_cache`` serves, known from the fake values: caches of the
-    keys' dtype and head dim, the head dim contiguous, values of the same head dim."""
-    key_cache, value_cache, k, v = (value_of(n) for n in (match["key"][0], match["value"][0],
-                                                          match["key"][2], match["value"][2]))
-    if not all(isinstance(t, torch.Tensor) for t in (key_cache, value_cache, k, v)):
-        return False
-    head_dim = k.shape[-1]
-    return (all(t.shape[-1] == head_dim and t.dtype == k.dtype for t in (key_cache, value_cache, v))
-            and key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1)
+    """What ``kernels.rotary.rotary_into_cache`` serves: what ``_writable_plain`` asks, and values
+    of the keys' head dim and dtype (the launch copies them with the keys' head dim)."""
+    k, v = value_of(match["key"][2]), value_of(match["value"][2])
+    return _writable_plain(match) and v.shape[-1] == k.shape[-1] and v.dtype == k.dtype
 
 
 def _match(rotary):

@@ -33,10 +33,9 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .manager import register
 from .shard.context import calls, single_user, value_of
-from .swap_kernels import _on_gpu
+from .swap_kernels import KERNEL_DTYPES, _on_gpu
 
 aten = torch.ops.aten
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the kernel's (kernels/rounding.TL_DTYPES)
 
 
 def gated_activation_kernel(gate, up, activation):
@@ -79,7 +78,7 @@ def _match(product):
             continue
         gate, name = found
         values = [value_of(n) for n in (gate, up, product)]
-        if all(isinstance(v, torch.Tensor) for v in values) and values[0].dtype in _DTYPES and _alike(values):
+        if all(isinstance(v, torch.Tensor) for v in values) and values[0].dtype in KERNEL_DTYPES and _alike(values):
             return act, gate, up, name
     return None
 

@@ -38,6 +38,11 @@ from .manager import register
 ssm = torch.ops.ssmshard
 
 
+# The floating dtypes the Triton kernels take (kernels/rounding.TL_DTYPES; not imported from
+# there, since that module needs Triton, which a CPU-only install may lack).
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _on_gpu(t) -> bool:
     """A real CUDA tensor, or a non-empty list of them (``rotary``'s first argument)."""
     if isinstance(t, (list, tuple)):
