@@ -27,7 +27,7 @@ from .token_layout import ORDERS as TSP_ORDERS
 # Passes a plan runs only to make its programs faster; ``Plan(skip_passes=[...])`` leaves them out.
 OPTIONAL_PASSES = ("fuse_rmsnorm", "decode_gemv", "fuse_dt_proj", "group_decode_linears", "fuse_gated_activation",
                    "fuse_rotary", "fold_cache_positions", "hoist_attention_mask", "inplace_decode_states",
-                   "fuse_cache_write", "fold_weights", "decode_attention")
+                   "fuse_cache_write", "fuse_gemv_conv", "fold_weights", "decode_attention")
 # What a plan runs only when asked (``Plan(add_passes=[...])``): measured, not faster everywhere.
 # ``decode_attention`` runs by default on head dims PyTorch's backends pad; asked for, on every head dim.
 OPT_IN_PASSES = ("decode_attention",)
@@ -126,7 +126,9 @@ class Plan:
     writes each new state into the state tensor it was given and returns that tensor: the states
     passed in are overwritten), ``fuse_cache_write`` (a static-K/V decode step's rotary embedding and
     its two key/value cache writes as one kernel launch, or the two writes alone where there is no
-    rotary embedding; under the Triton kernels), ``fold_weights`` (weight-only subgraphs such as
+    rotary embedding; under the Triton kernels), ``fuse_gemv_conv`` (a Mamba or Mamba-2 layer's
+    ``in_proj`` and conv update as one kernel launch in batch-1 decode steps; under the Triton
+    kernels, not compiled), ``fold_weights`` (weight-only subgraphs such as
     ``-exp(A_log.float())`` and casts of weights computed once per binding of the weights instead
     of every call: decode always, prefill and chunk when
     ``training=False``, forward programs never, since gradients must reach the weights) and
@@ -272,7 +274,8 @@ class Plan:
         boolean attention mask made additive once a step) and ``swap_kernels`` (it only retargets SSM ops);
         then the inference passes (``inference_steps``) and, for decode programs under the Triton
         kernels, ``fuse_cache_write`` (the rotary kernel writing keys and values into the static
-        cache, or one kernel writing both where there is no rotary embedding), and
+        cache, or one kernel writing both where there is no rotary embedding), ``fuse_gemv_conv`` (a
+        Mamba layer's ``in_proj`` and conv update as one launch at batch 1) and
         ``decode_attention`` (the one-position attention on its own kernel: head dims that are not
         a power of two, every head dim when ``add_passes`` asks for it).
         ``runtime.pipeline.shard_program`` runs them; ``ssmshard inspect`` and the runtime both go
@@ -311,6 +314,7 @@ class Plan:
         steps += self.inference_steps(mode)
         if kernels == "triton" and mode == "decode":  # after inplace_decode_states, on the rotary kernel
             steps.append(("fuse_cache_write", {"compile": self.compile}))
+            steps.append(("fuse_gemv_conv", {"compile": self.compile}))
             # After fuse_cache_write, which matches SDPA nodes.
             steps.append(("decode_attention", {"compile": self.compile,
                                                "every_head_dim": "decode_attention" in self.add_passes}))

@@ -8,6 +8,7 @@ import torch
 
 import ssmshard
 from ssmshard.passes import run_pipeline
+from ssmshard.passes.fuse_gemv_conv import gemv_conv_kernel
 from ssmshard.passes.swap_kernels import KERNELS
 from ssmshard.runtime.simulated import SimulatedMesh
 from ssmshard.testing import rel_err
@@ -103,10 +104,13 @@ def test_tensor_parallel_generation_with_fused_norms_gives_hf_tokens(monkeypatch
     assert torch.equal(tokens, expected)
     decode = mesh.ranks[0]._generation["decode"]  # swap_kernels put the fused nodes on their kernel adapters
     assert_every_norm_fused(decode, model, norm_targets={KERNELS[op][0] for op in NORM_OPS})
-    # The decode GEMVs too (decode_gemv): in_proj, x_proj, out_proj per layer and the head; the
-    # sharded dt_proj (``weight @ x``, rewritten) is folded into the state update (fuse_dt_proj).
+    # The decode GEMVs too (decode_gemv): x_proj, out_proj per layer and the head; in_proj with the
+    # conv update (fuse_gemv_conv); the sharded dt_proj (``weight @ x``, rewritten) folded into the
+    # state update (fuse_dt_proj).
     gemvs = [n for n in decode.graph.nodes if n.target is KERNELS[ssm.decode_linear.default][0]]
-    assert len(gemvs) == 3 * model.config.num_hidden_layers + 1 and all("placement" in n.meta for n in gemvs)
+    layers = model.config.num_hidden_layers
+    assert len(gemvs) == 2 * layers + 1 and all("placement" in n.meta for n in gemvs)
+    assert len([n for n in decode.graph.nodes if n.target is gemv_conv_kernel]) == layers
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
