@@ -9,6 +9,6 @@ python -c "import torch, triton, transformers; print(torch.__version__, triton._
 timeout 330 python -m pytest tests/test_cuda_graph.py tests/test_finishing_rows.py -o addopts="" -q -p no:cacheprovider \
   -p no:logging -rs 2>&1 | tail -8 | tee $OUT/logs/gpu_tests_graphed_decode_tp1.log
 left=$((575 - SECONDS))
-timeout $left python -m pytest tests/test_fuse_gated_activation.py tests/test_fuse_cache_write.py \
+timeout $left python -m pytest tests/test_fuse_gated_activation.py tests/test_fuse_cache_write.py tests/test_fuse_gemv_conv.py \
   tests/test_decode_attention.py tests/test_decode_gemv.py tests/test_layer_repeat.py -k "gpu or kernel or graphed" \
   -o addopts="" -q -p no:cacheprovider -p no:logging 2>&1 | tail -4 | tee $OUT/logs/gpu_tests_decode_kernels.log
