@@ -68,6 +68,10 @@ def test_static_kv_generation_with_the_gpu_plan_equals_hf(family, tp, monkeypatc
     assert not any(n.target is aten.index_copy_.default for n in program.graph.nodes)
     # Each layer's (Llama) or shared block's (Zamba2) MLP: its activation and product one call.
     assert program.gated_activation_report == {"silu" if family == "llama" else "gelu": attention_layers}
+    # Zamba2's Mamba-2 layers: in_proj and the conv update one call (fuse_gemv_conv; at 3 rows the
+    # call runs the two adapters).
+    conv_layers = sum(1 for spec in program.state_specs if spec.kind == "conv")
+    assert len(program.gemv_conv_report) == conv_layers and (conv_layers > 0) == (family != "llama")
 
 
 def _traced(fn, *inputs):

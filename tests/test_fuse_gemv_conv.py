@@ -135,12 +135,13 @@ def test_pass_fuses_only_a_range_of_features_read_in_place(case, fresh_seed):
     assert torch.equal(fused_inputs[2], unfused_inputs[2]), "the new conv states differ"
 
 
-@pytest.mark.parametrize("family,tp,batch", [("mamba", 2, 1), ("mamba2", 2, 1), ("zamba2", 1, 1), ("mamba", 1, 2),
-                                             ("mamba2", 2, 2)])
+@pytest.mark.parametrize("family,tp,batch", [("mamba", 2, 1), ("mamba2", 2, 1), ("mamba", 1, 2), ("mamba2", 2, 2)])
 def test_generation_with_the_fusion_equals_hf(family, tp, batch, monkeypatch, fresh_seed):
-    """Every conv update of the decode program is fused (Mamba's x, Mamba-2's and Zamba2's xBC,
-    each rank's channels at tp 2), and the tokens are HF's: at batch 1 through the fused kernel,
-    at batch 2 through the two adapters the call falls back to."""
+    """Every conv update of the decode program is fused (Mamba's x, Mamba-2's xBC, each rank's
+    channels at tp 2), and the tokens are HF's: at batch 1 through the fused kernel, at batch 2
+    through the two adapters the call falls back to. (Zamba2's layer is Mamba-2's: on a GPU,
+    ``test_graphed_batch_one_decode_on_a_gpu``; at tp 2 under the GPU plan's passes,
+    tests/test_fold_cache_positions.py.)"""
     if batch == 1 and torch.cuda.is_available():
         pytest.skip("the fused kernel runs on CUDA tensors here: test_graphed_batch_one_decode_on_a_gpu")
     model = small_model(family)
