@@ -15,9 +15,14 @@ five or six a layer at batch 1, each costing about a launch's latency, not its b
 Semantics are those of the two kernels one after the other: the projection's float32 sum (+ bias)
 rounded to y's dtype and stored in full (every feature, the conv's range included); that rounded
 value is the conv's new input: the taps summed in float32 in the order ``causal_conv1d_update``'s
-kernel sums them, + bias, SiLU if asked, rounded to y's dtype into ``conv_out`` (d,), and the
+kernel sums them, + bias, SiLU if asked, rounded to y's dtype into ``conv_out`` (1, d), and the
 state shifted by one slot with the new input (rounded to the state's dtype) in the last. The
 state row is read before it is written by the same program, so it is updated in place.
+
+The conv's reads (its taps, bias and state row) are issued right after the PDL wait, before the
+projection's loop over k, so that their latency hides behind the weight stream; read after the
+loop, they kept each program waiting at its end and the fused launch gained nothing on Mamba-2.8B
+(benchmarks/results/decode_profile/README.md).
 
 One row only: at several rows the projection runs on cuBLAS or the tensor-core path of the GEMV
 kernel, which ``prefers_cublas`` picks per shape (``passes/fuse_gemv_conv.py`` falls back to the
