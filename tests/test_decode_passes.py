@@ -4,6 +4,7 @@ computed once per binding of the weights). Tokens and logits against the unchang
 Hugging Face generate, at tp=1 for the six families and at tp=2 over gloo."""
 
 import json
+import weakref
 
 import pytest
 import torch
@@ -19,6 +20,16 @@ from generate_worker import PAD, left_padded_prompts
 
 INFERENCE_PASSES = ["inplace_decode_states", "fold_weights"]
 STEPS = 6
+
+# Each model's captured prefill program, captured once per test process: the helpers below only
+# run it (the programs under test are decode programs), and a capture is most of such a test's time.
+_PREFILL = weakref.WeakKeyDictionary()
+
+
+def captured_prefill(model):
+    if model not in _PREFILL:
+        _PREFILL[model] = ssmshard.capture(model, mode="prefill")
+    return _PREFILL[model]
 
 
 def _decode_programs(model, **capture_options):
@@ -60,7 +71,7 @@ def _copies_of_states(program, ops=("clone", "copy_", "index_copy_")):
 def decode_step_by_step(model, plain, passed, seed):
     """Logits of STEPS greedy decode steps of both programs from one prefill, and whether the
     passed program returned its state inputs themselves."""
-    prefill = ssmshard.capture(model, mode="prefill")
+    prefill = captured_prefill(model)
     ids, mask = left_padded_prompts(model.config.vocab_size, (5, 9), seed)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
@@ -84,7 +95,7 @@ def decode_step_by_step(model, plain, passed, seed):
 def greedy_tokens_and_hf(model, decode, seed, max_new_tokens=10):
     """Greedy tokens of the captured prefill and ``decode`` from left-padded prompts of three
     lengths, and HF generate's for the same prompts."""
-    prefill = ssmshard.capture(model, mode="prefill")
+    prefill = captured_prefill(model)
     ids, mask = left_padded_prompts(model.config.vocab_size, (5, 12, 9), seed)
     tokens = generate(prefill, decode, ids, mask, max_new_tokens=max_new_tokens, pad_token_id=PAD)
     with torch.no_grad():
@@ -148,7 +159,7 @@ def test_static_kv_decode_writes_keys_and_values_in_place(family, fresh_seed):
     # no whole buffer is cloned or copied.
     assert not _copies_of_states(passed, ops=("clone", "copy_"))
     assert _copies_of_states(passed, ops=("index_copy_",))
-    prefill = ssmshard.capture(model, mode="prefill")
+    prefill = captured_prefill(model)
     ids, mask = left_padded_prompts(model.config.vocab_size, (5, 12, 9), fresh_seed)
     options = dict(max_new_tokens=10, pad_token_id=PAD)
     length = ids.shape[1] + 16

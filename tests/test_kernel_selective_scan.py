@@ -235,7 +235,8 @@ def test_scan_parallel_short_tile(fresh_seed):
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_scan_low_precision(fresh_seed, dtype, variant):
-    inputs, softplus = make_scan_inputs(2, 8, 2 * CHUNK + 5, 16, g=2, dtype=dtype, num_init=2)
+    # One row (the batch strides are test_scan_fp32's): the casts are what this checks.
+    inputs, softplus = make_scan_inputs(1, 8, 2 * CHUNK + 5, 16, g=2, dtype=dtype, num_init=1)
     check_scan(inputs, softplus, cfg=VARIANTS[variant])
 
 
