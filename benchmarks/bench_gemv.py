@@ -57,9 +57,12 @@ def sweep_configs(rows: int, n: int):
     if rows == 1:
         grid = itertools.product((1, 2, 4, 8, 16), (256, 512, 1024, 2048), (2, 4, 8), (1,))
         return [dict(BLOCK_N=bn, BLOCK_K=k, num_warps=w, num_stages=s) for bn, k, w, s in grid]
-    # 64 rows: wider feature blocks (each program re-reads x, as many bytes as the weight's at in_proj).
-    grid = itertools.product((32, 64, 128) if rows > 16 else (16, 32, 64), (64, 128) if rows > 16 else (128, 256),
-                             (4,), (3, 4), (1, 4, 8))
+    # 64 rows: wider feature blocks (each program re-reads x, as many bytes as the weight's at in_proj);
+    # narrow weights (x_proj's 192 features) also 16-feature blocks and k split 16 or 32 ways.
+    narrow = n <= 1024
+    grid = itertools.product(((16,) if narrow else ()) + ((32, 64, 128) if rows > 16 else (16, 32, 64)),
+                             (64, 128) if rows > 16 else (128, 256), (4,), (3, 4),
+                             (1, 4, 8) + ((16, 32) if narrow else ()))
     return [dict(BLOCK_N=bn, BLOCK_K=k, num_warps=w, num_stages=s, SPLIT_K=sk) for bn, k, w, s, sk in grid
             if sk == 1 or -(-n // bn) < SPLIT_BELOW_BLOCKS]
 
