@@ -171,7 +171,7 @@ def main(argv=None):
         states = [torch.randn_like(probe["state"], dtype=torch.float32).to(state_dtype) for _ in range(layers)]
         row = {"model": model, "heads": h, "p": p, "n": n, "groups": g, "batch": batch, "bytes": nbytes,
                "floor_us": nbytes / bandwidth * 1e6 if bandwidth else None, "layers_in_graph": layers,
-               "default_config": ksu.default_config(p if h > 1 or per_head else p // g, n, batch)}
+               "default_config": ksu.default_config(p if h > 1 or per_head else p // g, n, batch, state_dtype)}
         ref_out, ref_state = float64_step(probe)
         for name, fn in variants.items():
             trial = {**probe, "state": probe["state"].clone()}

@@ -39,6 +39,8 @@ Glossary:
   timed_runs    TTFT rows time fewer than --repeats runs where the budget would not hold them
                 at the warm-up's pace (at least one).
   skip_passes   the optimisation passes the ssmshard rows' plan left out (``--skip-passes``), if any.
+  ssm_state_dtype  the dtype the ssmshard rows' plan held SSM states in (``--ssm-state-dtype``), if
+                not HF's float32; the floor then counts the states in that dtype.
   forward       median time of ``dm(ids)``, the whole-sequence forward of the same prompt (the
                 TTFT a prefill could reach).
   time to start ``parallelize_s`` (of which ``parallelize_capture_s`` in ``capture`` and
@@ -265,7 +267,8 @@ class DecodeBench:
             row = {}
             with time_spent_in(distributed_module, ("capture", "shard_program")) as inside:
                 started = time.perf_counter()
-                dm = ssmshard.parallelize(model, ssmshard.Plan(tp=1, skip_passes=self.args.skip_passes),
+                dm = ssmshard.parallelize(model, ssmshard.Plan(tp=1, skip_passes=self.args.skip_passes,
+                                                               ssm_state_dtype=self.args.ssm_state_dtype),
                                           lazy_forward=self.args.lazy_forward)
                 synchronize(self.device)
                 row["parallelize_s"] = time.perf_counter() - started
@@ -302,6 +305,8 @@ class DecodeBench:
         where = dict(model=name, variant="ssmshard", batch=batch, prompt=self.run["prompt"])
         if self.args.skip_passes:
             where["skip_passes"] = self.args.skip_passes
+        if self.args.ssm_state_dtype:
+            where["ssm_state_dtype"] = self.args.ssm_state_dtype
         if not self.allowed("tpot", **where):
             return
         ids = prompt_ids(model.config.vocab_size, batch, self.run["prompt"], self.device, self.args.seed)
@@ -514,6 +519,8 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=7, help="of the random weights and prompts")
     parser.add_argument("--skip-passes", nargs="*", default=[], metavar="PASS",
                         help="optimisation passes ssmshard's plan leaves out (Plan(skip_passes=...)), to measure one")
+    parser.add_argument("--ssm-state-dtype", choices=["float32", "bfloat16", "float16"],
+                        help="the dtype ssmshard's plan holds SSM states in (Plan(ssm_state_dtype=...)); default HF's")
     parser.add_argument("--lazy-forward", action="store_true",
                         help="parallelize(..., lazy_forward=True): weights laid out from the prefill program, "
                              "no forward program captured before the first forward call")

@@ -102,18 +102,26 @@ def _generation_inputs(model, input_ids, attention_mask, position_ids, first: bo
     return inputs
 
 
+def _states_like(cache, template) -> list[torch.Tensor]:
+    """``cache``'s state tensors in the dtypes of ``template``'s (``Plan(ssm_state_dtype=...)``:
+    HF's scans return float32 states; a program hands them on as the decode program holds them)."""
+    return [state if state.dtype == like.dtype else state.to(like.dtype)
+            for state, like in zip(flatten_states(cache), flatten_states(template))]
+
+
 class _Prefill(torch.nn.Module):
     """``(input_ids, attention_mask, position_ids) -> (last-token logits, *states)``."""
 
-    def __init__(self, model, cache_kwarg):
+    def __init__(self, model, cache_kwarg, template):
         super().__init__()
         self.model = model
         self.cache_kwarg = cache_kwarg
+        self.template = template
 
     def forward(self, input_ids, attention_mask, position_ids):
         out = self.model(**_generation_inputs(self.model, input_ids, attention_mask, position_ids, True))
         cache = getattr(out, self.cache_kwarg)
-        return out.logits[:, -1:], *flatten_states(cache)
+        return out.logits[:, -1:], *_states_like(cache, self.template)
 
 
 class _Decode(torch.nn.Module):
@@ -130,7 +138,7 @@ class _Decode(torch.nn.Module):
         inputs = _generation_inputs(self.model, input_ids, attention_mask, position_ids, False,
                                     next_sequence_length=1, **{self.cache_kwarg: cache})
         out = self.model(**inputs)
-        return out.logits, *flatten_states(cache)
+        return out.logits, *_states_like(cache, self.template)
 
 
 class _StaticDecode(_Decode):
@@ -156,7 +164,7 @@ class _StaticDecode(_Decode):
         inputs = _generation_inputs(self.model, input_ids, attention_mask, position_ids, False,
                                     next_sequence_length=1, **{self.cache_kwarg: cache})
         out = self.model(**inputs)
-        return out.logits, *flatten_states(cache)
+        return out.logits, *_states_like(cache, self.template)
 
 
 class _Chunk(_Decode):
@@ -186,7 +194,7 @@ class _Chunk(_Decode):
         scanned = [] if input_ids.shape[1] == 1 else [states[i] for i in self.ssm_slots]
         with continued_scans(scanned):
             out = self.model(**inputs)
-        return out.logits[:, -1:], *flatten_states(cache)
+        return out.logits[:, -1:], *_states_like(cache, self.template)
 
 
 def _state_slots(cache):
@@ -321,12 +329,13 @@ def _example_ids(model, batch, seq, device):
     return ids.to(device)
 
 
-def _state_template(model, cache_kwarg, device, static_kv_length=None):
+def _state_template(model, cache_kwarg, device, static_kv_length=None, ssm_state_dtype=None):
     """A populated HF cache from a tiny eager prefill (meta tensors when the model is on meta).
 
     It tells which state tensors exist, in which order, and is the object decode rebuilds.
     With ``static_kv_length``, a ``StaticCache`` of that many positions: its layers hold the same
     states in the same order (static key/value layers where the dynamic cache grows them).
+    With ``ssm_state_dtype``, its SSM states are of that dtype: the programs then hold them so.
     """
     ids = _example_ids(model, 1, 2, device)
     extra = {}
@@ -336,11 +345,28 @@ def _state_template(model, cache_kwarg, device, static_kv_length=None):
         extra[cache_kwarg] = StaticCache(config=model.config, max_cache_len=static_kv_length)
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=True, return_dict=True, **extra)
-    return getattr(out, cache_kwarg)
+    cache = getattr(out, cache_kwarg)
+    if ssm_state_dtype is not None:
+        cast_ssm_states(cache, ssm_state_dtype)
+    return cache
+
+
+def cast_ssm_states(cache, dtype: torch.dtype) -> None:
+    """Replace the SSM states of an HF cache by copies in ``dtype``. HF's cache writes each new
+    state into the tensor it holds (``copy_``), so from then on it keeps them in ``dtype``."""
+    for layer_idx, kind, attr, key in _state_slots(cache):
+        if kind != "ssm":
+            continue
+        layer = cache.layers[layer_idx]
+        if key is None:
+            setattr(layer, attr, getattr(layer, attr).to(dtype))
+        else:
+            getattr(layer, attr)[key] = getattr(layer, attr)[key].to(dtype)
 
 
 def capture(model, *, mode: str = "forward", packed: bool = False, static_kv: bool = False,
-            example_batch: int = 2, example_seq: int = 8, verbose: bool = False) -> Program:
+            example_batch: int = 2, example_seq: int = 8, verbose: bool = False,
+            ssm_state_dtype: torch.dtype | None = None) -> Program:
     """Capture ``model`` (a supported HF ``*ForCausalLM``) as a tagged :class:`Program`.
 
     Batch and sequence (decode: past) lengths are symbolic: one graph serves every shape in
@@ -356,12 +382,19 @@ def capture(model, *, mode: str = "forward", packed: bool = False, static_kv: bo
 
     ``static_kv=True`` (decode only) captures the decode step over static key/value buffers
     (see the module docstring): the step a CUDA graph replays for attention models.
+
+    ``ssm_state_dtype`` (generation programs): the dtype the program takes and returns SSM states
+    in, instead of HF's float32 (``Plan(ssm_state_dtype=...)``); conv and key/value states keep
+    the model's dtype.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if static_kv and mode != "decode":
         raise ValueError(f"static key/value buffers are for decode programs, not {mode!r}")
     family = family_of(model)
+    if ssm_state_dtype is not None and (mode == "forward" or not family.has_ssm):
+        raise ValueError(f"ssm_state_dtype is the dtype of the SSM states a generation program (prefill, decode, "
+                         f"chunk) takes or returns; a {mode} program of {family.class_name} has none")
     if packed:
         if mode != "forward":
             raise NotImplementedError(f"packed sequences are supported by forward programs only, not {mode!r}")
@@ -369,7 +402,8 @@ def capture(model, *, mode: str = "forward", packed: bool = False, static_kv: bo
     started = time.perf_counter()
     what = f"{family.class_name} ({mode}{', packed' if packed else ''})"
     log.debug("capturing %s", what)
-    program = _capture_one(model, family, mode, example_batch, example_seq, packed, static_kv=static_kv)
+    program = _capture_one(model, family, mode, example_batch, example_seq, packed, static_kv=static_kv,
+                           ssm_state_dtype=ssm_state_dtype)
     program.capture_seconds = time.perf_counter() - started
     log.info("captured %s: %d ops in %.1fs", what, program.node_count(), program.capture_seconds)
     program.recapture = Recapture(model, family)
@@ -415,7 +449,8 @@ def _recapture(model, family, program, user_inputs) -> Program:
         static_length = user_inputs[1].shape[1]
         seq = max(1, static_length // 2)
     sibling = _capture_one(model, family, program.mode, batch, seq, program.packed, example_past=past,
-                           static_kv=program.static_kv, static_length=static_length)
+                           static_kv=program.static_kv, static_length=static_length,
+                           ssm_state_dtype=program.ssm_state_dtype)
     from .passes import replay
 
     sibling = replay(sibling, program.history)
@@ -427,10 +462,10 @@ def _recapture(model, family, program, user_inputs) -> Program:
 
 
 def _capture_one(model, family, mode, example_batch, example_seq, packed=False, example_past=None,
-                 static_kv=False, static_length=None) -> Program:
+                 static_kv=False, static_length=None, ssm_state_dtype=None) -> Program:
     """Trace a prefix of the decoder layers and copy its layers for the rest where the traced
     graph shows that copying gives what tracing would (``layer_repeat.py``), else every layer."""
-    shapes = (example_batch, example_seq, packed, example_past, static_kv, static_length)
+    shapes = (example_batch, example_seq, packed, example_past, static_kv, static_length, ssm_state_dtype)
     found = decoder_layers(model)
     try:
         plans = repetitions(model)
@@ -449,7 +484,7 @@ def _capture_one(model, family, mode, example_batch, example_seq, packed=False, 
 
 
 def _trace(model, family, mode, example_batch, example_seq, packed=False, example_past=None,
-           static_kv=False, static_length=None, repeat=None) -> Program:
+           static_kv=False, static_length=None, ssm_state_dtype=None, repeat=None) -> Program:
     full_model = model
     if static_kv and not family.has_attention:
         raise ValueError(f"{family.class_name} has no attention: its decode states have fixed shapes already, "
@@ -467,7 +502,8 @@ def _trace(model, family, mode, example_batch, example_seq, packed=False, exampl
         # 2 * example_seq slots, example_seq of them filled.
         if static_kv and static_length is None:
             static_length = 2 * example_seq
-        state_template = None if mode == "forward" else _state_template(model, cache_kw, device, static_length)
+        state_template = None if mode == "forward" else _state_template(model, cache_kw, device, static_length,
+                                                                         ssm_state_dtype)
         if packed:
             # Batch is 1 by definition; the packed length and the number of sequences vary.
             wrapper = PackedForward(model, family.has_attention)
@@ -481,7 +517,7 @@ def _trace(model, family, mode, example_batch, example_seq, packed=False, exampl
             dynamic = ({0: batch, 1: Dim("seq", min=1)},)
         elif mode == "prefill":
             # Prefill branches on length (short prompts are padded to the conv kernel): AUTO.
-            wrapper = _Prefill(model, cache_kw)
+            wrapper = _Prefill(model, cache_kw, state_template)
             ids = _example_ids(model, example_batch, example_seq, device)
             args = (ids, *unpadded_mask_and_positions(ids, 0))
             seq = Dim.AUTO
@@ -536,6 +572,7 @@ def _trace(model, family, mode, example_batch, example_seq, packed=False, exampl
     if repeat is not None:
         repeat_layers(program, full_model, repeat, family.repeat_path)
     program.static_kv = static_kv
+    program.ssm_state_dtype = ssm_state_dtype
     if packed:
         verify_packed_graph(program)
     from .passes import CAPTURE_PASSES, run_pipeline  # late import: passes import Program

@@ -24,6 +24,20 @@ from .placement import REPLICATE, Placement
 from .token_layout import ORDERS as TSP_ORDERS
 
 
+# The dtypes a plan may hold SSM states in (``Plan.ssm_state_dtype``), by name too.
+STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _state_dtype(value):
+    """``Plan.ssm_state_dtype`` as a torch dtype (or None); PlanError for anything else."""
+    if value is None or value in STATE_DTYPES.values():
+        return value
+    if isinstance(value, str) and value.removeprefix("torch.") in STATE_DTYPES:
+        return STATE_DTYPES[value.removeprefix("torch.")]
+    raise PlanError(f"ssm_state_dtype must be None (HF's float32) or one of {', '.join(STATE_DTYPES)} (a torch "
+                    f"dtype or its name), got {value!r}")
+
+
 # Passes a plan runs only to make its programs faster; ``Plan(skip_passes=[...])`` leaves them out.
 OPTIONAL_PASSES = ("fuse_rmsnorm", "decode_gemv", "fuse_dt_proj", "group_decode_linears", "fuse_gated_activation",
                    "fuse_rotary", "fold_cache_positions", "hoist_attention_mask", "inplace_decode_states",
@@ -138,6 +152,14 @@ class Plan:
     ``add_passes``: what a plan runs only when asked (``OPT_IN_PASSES``): ``decode_attention`` on
     every head dim (measured slower in Llama's graphed step, head dim 128: docs/decode.md).
 
+    ``ssm_state_dtype``: the dtype generation programs hold the SSM (recurrent) states in, for
+    the models that have them: ``None`` (default) keeps Hugging Face's, float32; ``torch.bfloat16``
+    (or ``"bfloat16"``, ``torch.float16``) halves the state cache's memory and the bytes a decode
+    step reads and writes, the way vLLM's ``mamba_ssm_cache_dtype`` does. The step's arithmetic
+    stays float32 (each kernel reads the state, updates it in float32 and stores it rounded), so
+    tokens follow HF's with its states rounded alike, not HF's float32 cache (docs/decode.md,
+    "State dtype"). Conv states and key/value caches keep the model's dtype.
+
     ``compile``: run every program of the plan through ``torch.compile`` (Inductor), the SSM kernels,
     norms and collectives kept as opaque ops and the glue between them fused; each program compiles
     on its first call (and again for new shapes), CUDA-graph decode included. docs/compile.md.
@@ -168,6 +190,8 @@ class Plan:
     skip_passes: list = dataclasses.field(default_factory=list)
     # Passes run only when asked (``OPT_IN_PASSES``).
     add_passes: list = dataclasses.field(default_factory=list)
+    # SSM states of generation programs: None keeps HF's (float32).
+    ssm_state_dtype: object = None
     compile: bool = False
 
     def __post_init__(self):
@@ -195,6 +219,7 @@ class Plan:
         if self.tsp_logits != "gathered" and self.tsp == 1:
             raise PlanError(f"tsp_logits={self.tsp_logits!r} keeps each rank's logits of Plan(tsp=D) with D > 1; set "
                             "tsp or leave tsp_logits out")
+        self.ssm_state_dtype = _state_dtype(self.ssm_state_dtype)
         if self.tsp > 1:
             self._check_tsp()
         if self.kernels not in ("auto", "triton", "reference"):
@@ -242,10 +267,12 @@ class Plan:
                                            ("policy", self.policy is not None),
                                            ("quantize_syncs", self.quantize_syncs is not None),
                                            ("drop_syncs", bool(self.drop_syncs)),
-                                           ("head_permutations", bool(self.head_permutations))) if on]
+                                           ("head_permutations", bool(self.head_permutations)),
+                                           ("ssm_state_dtype", self.ssm_state_dtype is not None)) if on]
         if conflicts:
-            raise PlanError(f"Plan(tsp=...) has no all-reduce sync points or reduce policy; remove "
-                            f"{', '.join(conflicts)} (they apply to Plan(tp=...))")
+            raise PlanError(f"Plan(tsp=...) does not take {', '.join(conflicts)} (all-reduce sync points, a reduce "
+                            f"policy, or SSM states in another dtype, which its sequence-sharded prefill combines "
+                            f"across ranks in float32): remove them, or use Plan(tp=...)")
         self.tp = self.tsp
 
     def policy_for(self, mode: str):
@@ -370,6 +397,16 @@ class Plan:
         for fqn, spec in program.param_specs.items():
             matching = [r for r in rules if r.matches(fqn, blocks.get(fqn), spec.role)]
             yield fqn, spec, blocks.get(fqn), matching[-1], family
+
+    def check_model(self, model) -> None:
+        """What the plan asks of the model that it may not have; PlanError before any distributed work."""
+        from .families import family_of
+
+        family = family_of(model)
+        if self.ssm_state_dtype is not None and not family.has_ssm:
+            raise PlanError(f"Plan(ssm_state_dtype={self.ssm_state_dtype}) sets the dtype of SSM states, and "
+                            f"{family.class_name} has none (its key/value caches keep the model's dtype): leave "
+                            "ssm_state_dtype out")
 
     def layout(self, program, model) -> dict[str, Placement]:
         """Placement of every weight of ``program``; raises PlanError before any distributed work."""

@@ -75,6 +75,9 @@ class Program:
         # Decode over static key/value buffers (capture(static_kv=True)): one more user input,
         # the cache position, after the states; every input keeps its shape from step to step.
         self.static_kv = False
+        # The dtype of the SSM states a generation program takes and returns, where not HF's
+        # float32 (capture(ssm_state_dtype=...)): a sibling for new shapes is captured alike.
+        self.ssm_state_dtype = None
         # Indices of the states a decode program writes into its own state inputs and returns
         # as those same tensors (the ``inplace_decode_states`` pass): the caller's states change.
         self.states_in_place: list[int] = []

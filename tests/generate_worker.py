@@ -210,3 +210,40 @@ def lazy_forward_from_a_checkpoint(rank, world, family, directory, seed, out_pat
         with open(out_path, "w") as f:
             json.dump({"equal_hf": torch.equal(ours, hf), "ours": ours.tolist(), "hf": hf.tolist(),
                        "captured_generating": generating, "captured": captured.modes, "forward_err": forward_err}, f)
+
+
+def graphed_bf16_states(rank, world, family, seed, out_path):
+    """``Plan(ssm_state_dtype=torch.bfloat16)`` on GPUs: greedy tokens of eager and CUDA-graph
+    decoding (capture, then replay) at batch 2 and 1, the dtypes of the states the prefill returns,
+    and each step's top-2 logits of HF eager decoding over those tokens with its SSM states cast
+    to bfloat16 (``hf_incremental_logits``), for the greedy check against them."""
+    from ssmshard.reference_decode import hf_incremental_logits
+
+    model = small_model(family).cuda()
+    results = []
+    try:
+        dm = ssmshard.parallelize(model, ssmshard.Plan(tp=world, ssm_state_dtype=torch.bfloat16))
+        prompt = torch.randint(3, model.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(seed))
+        prompt = prompt.cuda()
+        state_dtypes = sorted({str(s.dtype) for s in dm.prefill(prompt)[1]})
+        # min_new_tokens keeps every row generating: the EOS ids are then never chosen (HF's
+        # processor sets their logits to -inf), so they are left out of HF's top two as well.
+        eos = model.generation_config.eos_token_id
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        for ids in (prompt, prompt[:1]):
+            options = dict(max_new_tokens=12, do_sample=False, min_new_tokens=12)
+            eager = dm.generate(ids, cuda_graph=False, **options)
+            graphed = dm.generate(ids, cuda_graph=True, **options)
+            again = dm.generate(ids, cuda_graph=True, **options)
+            new = eager[:, ids.shape[1]:]
+            hf = hf_incremental_logits(model, ids, new[:, :-1], ssm_state_dtype=torch.bfloat16)
+            top2 = [logits[:, -1].float().index_fill(-1, torch.tensor(eos, dtype=torch.long, device=logits.device),
+                                                     float("-inf")).topk(2, dim=-1) for logits in hf]
+            results.append({"eager": eager.tolist(), "graphed": graphed.tolist(), "again": again.tolist(),
+                            "new": new.tolist(), "hf_top": [t.indices[:, 0].tolist() for t in top2],
+                            "hf_margin": [(t.values[:, 0] - t.values[:, 1]).tolist() for t in top2]})
+    finally:
+        model.cpu()  # the model object is shared by the tests of this process
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({"state_dtypes": state_dtypes, "batches": results}, f)

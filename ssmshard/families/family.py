@@ -49,6 +49,8 @@ class Family:
     # Has attention layers: a packed forward must hand them per-sequence positions and a
     # block-diagonal mask (pure SSM families take neither argument).
     has_attention: bool = False
+    # Has SSM layers, whose recurrent states ``Plan(ssm_state_dtype=...)`` can hold in another dtype.
+    has_ssm: bool = True
     tag_hints: TagHints = dataclasses.field(default_factory=TagHints)
     # Default plan rules, applied after the generic ones (``styles.generic_rules``) and before
     # the user's.

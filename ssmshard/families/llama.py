@@ -17,7 +17,7 @@ def small_config():
 
 def _llama_style(name, prefix, small_config=small_config):
     return Family(name, f"{prefix}ForCausalLM", f"{prefix}Config", f"transformers.models.{name}.modeling_{name}",
-                  small_config, has_attention=True, rules=RULES)
+                  small_config, has_attention=True, has_ssm=False, rules=RULES)
 
 
 FAMILIES = (

@@ -128,16 +128,26 @@ def _as_heads(state, x, dt, A, B, C, D, z, dt_bias):
             split(z, 1), split(dt_bias, 0))
 
 
-def default_config(p: int, n: int, batch: int) -> dict:
+def default_config(p: int, n: int, batch: int, state_dtype: torch.dtype = torch.float32) -> dict:
     """Channels per program (``BLOCK_P``) and warps for a batch of heads of ``p`` channels, ``n`` states.
 
-    From a sweep on an H200 with float32 states, as decode programs hold them
+    From a sweep on an H200 with float32 states, as decode programs hold them by default
     (benchmarks/results/state_update/: Mamba-1 n = 16, Mamba-2 n = 128, Zamba2 n = 64, batch
     1, 16, 64, 256), within 7% of the best tiling at every shape and batch there: two warps on a
     (channels x states) tile of 1024 elements (16 per thread) for batches; at batch 1, whose grid
     is small, one warp on 256 elements, so that four times as many programs share the work.
     The earlier choice, 64 channels x all states on 4 warps, took 1.25-1.41x the best time on
-    the Mamba-2 layouts from batch 16 in that sweep."""
+    the Mamba-2 layouts from batch 16 in that sweep.
+    States of two bytes (``Plan(ssm_state_dtype=torch.bfloat16)``) with 64 or more states a channel
+    (the Mamba-2 layouts), from the same sweep with bfloat16 states: for batches one warp on up to
+    2048 elements and at most 32 channels, the best tiling for Mamba2-2.7B at batch 16-256 and
+    within 14% of it for Zamba2-2.7B (6% from batch 64), where the float32 rule took up to 1.17x
+    the best; in the graphed step (benchmarks/results/state_dtype/) it took Mamba2-2.7B's from 6.51
+    to 5.97 ms at batch 64. For Mamba-1's 16 states the sweep's best (32 channels, one warp) was
+    slower in the graphed step than the float32 rule (Mamba-2.8B at batch 64: 4.14 against 3.90 ms;
+    at 256: 8.13 against 6.91): they keep it."""
+    if batch > 1 and state_dtype.itemsize == 2 and n >= 64:
+        return dict(BLOCK_P=max(1, min(next_power_of_2(p), 32, 2048 // next_power_of_2(n))), num_warps=1)
     elements, warps = (256, 1) if batch == 1 else (1024, 2)
     return dict(BLOCK_P=max(1, min(next_power_of_2(p), elements // next_power_of_2(n))), num_warps=warps)
 
@@ -222,7 +232,7 @@ def selective_state_update(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: T
     D2 = torch.broadcast_to(D2, (h, p)) if D2 is not None else None
     bias2 = torch.broadcast_to(bias2, (h, p)) if bias2 is not None else None
     none2, none3 = (0, 0), (0, 0, 0)
-    config = config or (fused_dt_config(p, bsz) if fused else default_config(p, n, bsz))
+    config = config or (fused_dt_config(p, bsz) if fused else default_config(p, n, bsz, state.dtype))
     block_p = config["BLOCK_P"]
     _state_update_kernel[(cdiv(p, block_p), h, bsz)](
         state4, x3, dt if fused else dt3, A3, B3, C3, D2 if D2 is not None else out3,

@@ -71,9 +71,10 @@ class SimulatedMesh:
         self.timeout = timeout
         self.group = f"ssmshard_simulated{next(_mesh_ids)}"
         self._warned_eager_decode = False
+        plan.check_model(model)  # PlanError here, before any rank runs
         program = capture(model, mode="forward") if program is None else program
         captures = CapturedOnce()
-        placements = plan.layout(program, model)  # PlanError here, before any rank runs
+        placements = plan.layout(program, model)  # likewise
         permutations = plan.weight_permutations(program, model)  # likewise; the model is not changed
         kernels = plan.kernel_choice(next(model.parameters()).device)
         self.ranks: list[DistributedModule] = []

@@ -5,12 +5,15 @@ without it, timed alternately on one GPU in one process.
     PYTHONPATH=$PWD python benchmarks/results/decode_profile/pass_ab_gpu.py --out $OUT --models mamba-2.8b --skip fuse_dt_proj decode_gemv
     PYTHONPATH=$PWD python benchmarks/results/decode_profile/pass_ab_gpu.py --out $OUT --models llama-3-8b --skip fuse_rotary+fold_cache_positions
     PYTHONPATH=$PWD python benchmarks/results/decode_profile/pass_ab_gpu.py --out $OUT --models mamba-2.8b --env SSMSHARD_GEMV_ROWS=1
+    PYTHONPATH=$PWD python benchmarks/results/decode_profile/pass_ab_gpu.py --out $OUT --models mamba2-2.7b --state-dtypes bfloat16
 
 Variants: the full plan (``all passes``) and, per ``--skip`` argument, ``Plan(skip_passes=[name])``
 (``a+b``: ``skip_passes=[a, b]``), per ``--add`` argument ``Plan(add_passes=[name])`` (an opt-in pass),
 each a ``parallelize`` of the same random bf16 model (``decode_gpu.GPU_MODELS``), and per
 ``--env KEY=VALUE`` the full plan (with the ``--add`` passes) with that environment variable set while its graph is captured
-(kernel choices read at capture time, such as ``SSMSHARD_GEMV_ROWS``). Per batch each
+(kernel choices read at capture time, such as ``SSMSHARD_GEMV_ROWS``), and per ``--state-dtypes``
+argument the full plan with ``Plan(ssm_state_dtype=...)`` (other numerics: its tokens may differ).
+Per batch each
 variant generates a few greedy tokens from the same prompt (which captures its decode graph;
 the tokens must agree across variants, else the row says so), then rounds of ``--replays``
 replays of each variant's CUDA graph alternate (``dm.decode_graph(b).graph.replay()``: one
@@ -90,6 +93,8 @@ def main(argv=None):
                         help="one variant per argument, with that opt-in pass (Plan(add_passes=[PASS]))")
     parser.add_argument("--env", nargs="*", default=[], metavar="KEY=VALUE",
                         help="one variant per setting: the full plan, captured with KEY=VALUE in the environment")
+    parser.add_argument("--state-dtypes", nargs="*", default=[], choices=["bfloat16", "float16"],
+                        help="also the full plan with the SSM states in this dtype (Plan(ssm_state_dtype=...))")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 16, 64])
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=8)
@@ -113,6 +118,8 @@ def main(argv=None):
                              for names in args.skip})
             variants.update({f"with {name}": (ssmshard.parallelize(model, ssmshard.Plan(tp=1, add_passes=[name])), {})
                              for name in args.add})
+            variants.update({f"ssm_state_dtype={dtype}": (ssmshard.parallelize(model, ssmshard.Plan(
+                tp=1, add_passes=args.add, ssm_state_dtype=dtype)), {}) for dtype in args.state_dtypes})
             for setting in args.env:
                 key, _, value = setting.partition("=")
                 variants[setting] = (ssmshard.parallelize(model, ssmshard.Plan(tp=1, add_passes=args.add)), {key: value})
