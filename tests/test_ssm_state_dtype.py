@@ -25,7 +25,7 @@ from conftest import small_model
 TOL = 3e-4
 CLOSER = 0.3  # at most this fraction of the distance between HF's rounded and float32 states' logits
 # Each Mamba-1 and Mamba-2 split and hybrid once; the other SSM families in the slow set.
-CASES = [pytest.param(1, "mamba"), pytest.param(2, "mamba2"), pytest.param(2, "zamba2"),
+CASES = [pytest.param(1, "mamba", marks=pytest.mark.compat), pytest.param(2, "mamba2"), pytest.param(2, "zamba2"),
          pytest.param(2, "mamba", marks=pytest.mark.slow), pytest.param(1, "falcon_mamba", marks=pytest.mark.slow),
          pytest.param(2, "zamba", marks=pytest.mark.slow)]
 
@@ -74,22 +74,29 @@ def test_generation_programs_hold_bf16_states_and_follow_hf_with_its_states_roun
 
 def test_generate_is_greedy_over_hf_logits_with_rounded_states(fresh_seed):
     """mesh.generate (prefill, decode loop, and a chunked prefill that continues from bfloat16
-    states) at tp 2: each new token is the argmax of HF's logits with its states rounded alike."""
+    states) at tp 2: each new token is the argmax of HF's logits with its states rounded alike,
+    wherever its top two (EOS left out: ``min_new_tokens`` forbids it) are further apart than the
+    rounding could move them. A chunked prefill also rounds the states at each chunk's end, which
+    HF's one-shot prefill does not: up to 3e-3 of the largest logit (HF's own logits with bfloat16
+    and with float32 states differ by that much), so ties are judged at 1e-2 of it."""
     model = small_model("mamba2")
     generator = torch.Generator().manual_seed(fresh_seed)
     prompt = torch.randint(3, model.config.vocab_size, (2, 11), generator=generator)
+    eos = torch.tensor([model.generation_config.eos_token_id]).flatten()
     mesh = ssmshard.SimulatedMesh(model, ssmshard.Plan(tp=2, ssm_state_dtype=torch.bfloat16))
     for chunk_size in (None, 4):
-        out = mesh.generate(prompt, max_new_tokens=6, do_sample=False, prefill_chunk_size=chunk_size)
+        out = mesh.generate(prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                            prefill_chunk_size=chunk_size)
         new = out[:, prompt.shape[1]:]
         hf = hf_incremental_logits(model, prompt, new[:, :-1], ssm_state_dtype=torch.bfloat16)
-        margins = []
+        checked = 0
         for step, logits in enumerate(hf):
-            top2 = logits[:, -1].float().topk(2, dim=-1).values
-            margins.append((top2[:, 0] - top2[:, 1]).min().item())
-            if margins[-1] > 1e-3:  # not a near tie that a state's rounding step may flip
-                assert torch.equal(logits[:, -1].argmax(-1), new[:, step]), (chunk_size, step, fresh_seed)
-        assert max(margins) > 1e-3, (chunk_size, margins)
+            last = logits[:, -1].float().index_fill(-1, eos, float("-inf"))
+            top2 = last.topk(2, dim=-1)
+            clear = top2.values[:, 0] - top2.values[:, 1] > 1e-2 * logits[:, -1].abs().amax(-1)
+            assert torch.equal(top2.indices[clear, 0], new[clear, step]), (chunk_size, step, fresh_seed)
+            checked += int(clear.sum())
+        assert checked >= new.numel() // 2, (chunk_size, checked)  # most tokens checked
 
 
 def test_plan_errors_before_any_distributed_work():
