@@ -85,6 +85,7 @@ import torch.distributed as dist
 
 import ssmshard
 from ssmshard.families import BY_NAME, family_of
+from ssmshard.plan import STATE_DTYPES
 from ssmshard.runtime import distributed as distributed_module
 from ssmshard.runtime.static_kv import KV_KINDS, KV_POSITIONS
 
@@ -519,7 +520,7 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=7, help="of the random weights and prompts")
     parser.add_argument("--skip-passes", nargs="*", default=[], metavar="PASS",
                         help="optimisation passes ssmshard's plan leaves out (Plan(skip_passes=...)), to measure one")
-    parser.add_argument("--ssm-state-dtype", choices=["float32", "bfloat16", "float16"],
+    parser.add_argument("--ssm-state-dtype", choices=sorted(STATE_DTYPES),
                         help="the dtype ssmshard's plan holds SSM states in (Plan(ssm_state_dtype=...)); default HF's")
     parser.add_argument("--lazy-forward", action="store_true",
                         help="parallelize(..., lazy_forward=True): weights laid out from the prefill program, "

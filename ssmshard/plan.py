@@ -398,6 +398,13 @@ class Plan:
             matching = [r for r in rules if r.matches(fqn, blocks.get(fqn), spec.role)]
             yield fqn, spec, blocks.get(fqn), matching[-1], family
 
+    def capture_options(self, mode: str) -> dict:
+        """What ``capture`` takes from the plan for a program of ``mode``: the SSM state dtype of a
+        generation program (a forward program holds no states)."""
+        if mode == "forward" or self.ssm_state_dtype is None:
+            return {}
+        return {"ssm_state_dtype": self.ssm_state_dtype}
+
     def check_model(self, model) -> None:
         """What the plan asks of the model that it may not have; PlanError before any distributed work."""
         from .families import family_of

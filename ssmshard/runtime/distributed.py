@@ -226,8 +226,7 @@ class DistributedModule(torch.nn.Module):
     def _capture(self, **options):
         """A fresh captured program of this module's model, for this rank to shard (a generation
         program's SSM states in the plan's ``ssm_state_dtype``)."""
-        if options.get("mode") != "forward" and self.plan.ssm_state_dtype is not None:
-            options["ssm_state_dtype"] = self.plan.ssm_state_dtype
+        options.update(self.plan.capture_options(options["mode"]))
         if self._captures is not None:
             return self._captures(self._model, **options)
         return capture(self._model, **options)
@@ -443,8 +442,8 @@ def parallelize(model, plan: Plan, *, group=None, device_mesh=None, checkpoint=N
                          "lazy_forward=True defers the forward: pass one of them")
     # The program the weights are laid out from; a lazy forward's module starts from prefill's.
     plan.check_model(model)  # PlanError here, before any process-group work
-    program = (capture(model, mode="prefill", ssm_state_dtype=plan.ssm_state_dtype) if lazy_forward
-               else capture(model, mode="forward"))
+    mode = "prefill" if lazy_forward else "forward"
+    program = capture(model, mode=mode, **plan.capture_options(mode))
     # Captured before any process-group work too: a model packing cannot serve fails here.
     packed_program = capture(model, mode="forward", packed=True) if packed else None
     placements = plan.layout(program, model)  # likewise

@@ -37,7 +37,7 @@ import torch
 
 import ssmshard
 from ssmshard.families import family_of
-from ssmshard.plan import OPT_IN_PASSES, OPTIONAL_PASSES
+from ssmshard.plan import OPT_IN_PASSES, OPTIONAL_PASSES, STATE_DTYPES
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # benchmarks/
 from bench_common import init_single_process_group  # noqa: E402
@@ -93,7 +93,7 @@ def main(argv=None):
                         help="one variant per argument, with that opt-in pass (Plan(add_passes=[PASS]))")
     parser.add_argument("--env", nargs="*", default=[], metavar="KEY=VALUE",
                         help="one variant per setting: the full plan, captured with KEY=VALUE in the environment")
-    parser.add_argument("--state-dtypes", nargs="*", default=[], choices=["bfloat16", "float16"],
+    parser.add_argument("--state-dtypes", nargs="*", default=[], choices=sorted(set(STATE_DTYPES) - {"float32"}),
                         help="also the full plan with the SSM states in this dtype (Plan(ssm_state_dtype=...))")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 16, 64])
     parser.add_argument("--prompt", type=int, default=128)
