@@ -177,7 +177,8 @@ def test_tsp_local_logits_are_each_ranks_rows_of_hf(family, world, order, length
     name every position once. Values against HF eager's rows (1e-5); a loss summed per rank over
     its own rows gives each rank's gradients as the slices of HF's gradient of the whole loss
     (1e-5 over the rank's gradient vector, 1e-4 per tensor, or no further from HF's fp64 gradient
-    than 3x HF's fp32 one where that cancels: Zamba2's ``A_log`` at D = 3, as tests/test_tsp.py)."""
+    than 3x HF's fp32 one where that cancels: Zamba2's ``A_log`` at D = 3, as tests/test_tsp.py, or
+    than HF's fp32 gradients of rounding-perturbed weights are: ``tsp_worker._within_fp32``)."""
     from test_sequence_parallel import TP3
     from tsp_worker import gradient_errors
 
@@ -186,18 +187,19 @@ def test_tsp_local_logits_are_each_ranks_rows_of_hf(family, world, order, length
     gen = torch.Generator().manual_seed(fresh_seed)
     ids = torch.randint(0, model.config.vocab_size, (2, length), generator=gen)
     probe = torch.randn(2, length, model.config.vocab_size, generator=gen)
+    loss = lambda m: (m(ids).logits * probe.to(m.dtype)).sum()  # noqa: E731
     model.zero_grad()
     want = model(ids).logits
     (want * probe).sum().backward()
     exact = copy.deepcopy(model).double()
-    (exact(ids).logits * probe.double()).sum().backward()
+    loss(exact).backward()
 
     def rank_main(dm):
         positions = dm.token_positions(length)
         logits = dm(ids)
         (logits * probe[:, positions]).sum().backward()
         dm.sync_replicated_grads()
-        return positions, logits.detach(), gradient_errors(dm, model, dm.rank, exact)
+        return positions, logits.detach(), gradient_errors(dm, model, dm.rank, exact, loss)
 
     try:
         results = mesh.run(rank_main)
