@@ -241,7 +241,8 @@ def graphed_bf16_states(rank, world, family, seed, out_path):
                                                      float("-inf")).topk(2, dim=-1) for logits in hf]
             results.append({"eager": eager.tolist(), "graphed": graphed.tolist(), "again": again.tolist(),
                             "new": new.tolist(), "hf_top": [t.indices[:, 0].tolist() for t in top2],
-                            "hf_margin": [(t.values[:, 0] - t.values[:, 1]).tolist() for t in top2]})
+                            "hf_margin": [(t.values[:, 0] - t.values[:, 1]).tolist() for t in top2],
+                            "hf_scale": [logits[:, -1].float().abs().amax(-1).tolist() for logits in hf]})
     finally:
         model.cpu()  # the model object is shared by the tests of this process
     if rank == 0:

@@ -121,7 +121,8 @@ def test_plan_errors_before_any_distributed_work():
 def test_graphed_decode_with_bf16_states_on_the_gpu(family, tmp_path, fresh_seed):
     """The GPU plan (Triton state update and fused decode kernels, a static-K/V graph for Zamba2)
     with bfloat16 states: graphed decode gives the eager tokens at batch 2 and 1, and each token is
-    HF's greedy choice with its states rounded alike wherever HF's top two logits are not a near tie."""
+    HF's greedy choice with its states rounded alike wherever HF's top two logits are further apart
+    than 1e-2 of the largest (the near-tie bound of the CPU tests above)."""
     import json
 
     import generate_worker
@@ -134,9 +135,9 @@ def test_graphed_decode_with_bf16_states_on_the_gpu(family, tmp_path, fresh_seed
     for batch in result["batches"]:
         assert batch["graphed"] == batch["eager"] and batch["again"] == batch["eager"], where
         checked = 0
-        for step, (top, margin) in enumerate(zip(batch["hf_top"], batch["hf_margin"])):
-            for row, (token, gap) in enumerate(zip(top, margin)):
-                if gap > 1e-3:
+        for step, (top, margin, scale) in enumerate(zip(batch["hf_top"], batch["hf_margin"], batch["hf_scale"])):
+            for row, (token, gap, largest) in enumerate(zip(top, margin, scale)):
+                if gap > 1e-2 * largest:  # a near tie, as in the CPU tests above
                     assert batch["new"][row][step] == token, (where, row, step)
                     checked += 1
         assert checked >= len(batch["hf_top"]) * len(batch["new"]) // 2, (where, checked)  # most tokens checked
