@@ -20,7 +20,9 @@ def static_kv_results(rank, world, families, seed, out_path):
     for family in families:
         model = small_model(family)
         dm = ssmshard.parallelize(model, ssmshard.Plan(tp=world), lazy_forward=True)  # generation only
-        options = dict(max_new_tokens=NEW_TOKENS, pad_token_id=PAD)
+        # min_new_tokens: every row generates all NEW_TOKENS (an EOS early on would end HF's batch short of
+        # filling the buffers); rows that finish early are tests/test_finishing_rows.py's.
+        options = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=PAD)
         result = {"family": family, "batches": []}
         for index, lengths in enumerate(PROMPT_LENGTHS):
             ids, mask = left_padded_prompts(model.config.vocab_size, lengths, seed + index)

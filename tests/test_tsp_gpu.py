@@ -1,6 +1,6 @@
-"""``Plan(tsp=D)`` on a GPU: the sequence-sharded scans, convolutions and attention run on the
-Triton kernels and CUDA tensors (on the CPU they run the reference ops, or the same kernels under
-Triton's interpreter: tests/test_tsp_options.py). The D ranks are threads of one process on one
+"""``Plan(tsp=D)`` on a GPU: the sequence-sharded scans run on the Triton kernels, every op on
+CUDA tensors (on the CPU the scans run the reference ops, or the same kernels under Triton's
+interpreter: tests/test_tsp_options.py). The D ranks are threads of one process on one
 GPU (``ssmshard.SimulatedMesh``: the same ``DistributedModule`` code as a real process, its
 collectives exchanged in memory), so a single GPU checks every rank's kernels. Skipped without
 CUDA."""

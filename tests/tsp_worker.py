@@ -113,11 +113,11 @@ def gradient_errors(dm, model, rank, model64=None, loss=None) -> dict:
 
     def verdicts(perturbed):
         """(whole vector within reach, tensors beyond it), against ``perturbed`` (fqn -> weight)."""
-        near = lambda fqn: [local_slice(p[fqn].grad, dm.program.param_specs[fqn].placement, rank)  # noqa: E731
-                            for p in perturbed]
+        near = {fqn: [local_slice(p[fqn].grad, dm.program.param_specs[fqn].placement, rank) for p in perturbed]
+                for fqn in slices}  # fqn -> this rank's slice of each perturbed gradient
         beyond = [fqn for fqn, (got, want, want64) in slices.items()
-                  if not _within_fp32(got, want, want64, 1e-4, near(fqn))]
-        near_whole = [torch.cat([t.flatten() for t in ts]) for ts in zip(*(near(fqn) for fqn in slices))]
+                  if not _within_fp32(got, want, want64, 1e-4, near[fqn])]
+        near_whole = [torch.cat([t.flatten() for t in ts]) for ts in zip(*near.values())]
         return _within_fp32(whole(0), whole(1), whole(2), 1e-5, near_whole), beyond
 
     within, beyond = verdicts([])
