@@ -58,7 +58,7 @@ def test_tsp_on_the_gpu_equals_hf_eager(family, world, order, exact_fp32, on_gpu
     model = on_gpu(small_model(family, **(TP3[family] if world == 3 else {})))
     mesh = ssmshard.SimulatedMesh(model, ssmshard.Plan(tsp=world, tsp_order=order))
     scans = [n for n in mesh.program.graph.nodes if n.target in (selective_scan, ssd_scan)]
-    assert all(n.kwargs["kernels"] == "triton" for n in scans), [n.kwargs for n in scans]
+    assert bool(scans) == (family != "llama") and all(n.kwargs["kernels"] == "triton" for n in scans), scans
     ids = torch.randint(0, model.config.vocab_size, (2, 13), generator=torch.Generator().manual_seed(fresh_seed))
     ids = ids.cuda()
     with torch.no_grad():
