@@ -139,3 +139,21 @@ def test_rank_of_outside_a_rank_thread_is_an_error():
         assert comm.world_of("unbound_simulated") == 2
         with group.bind(1):
             assert comm.rank_of("unbound_simulated") == 1
+
+
+def test_simulated_barrier_waits_for_every_rank_and_checks_its_label():
+    arrived = []
+
+    def meet(rank, world):
+        time.sleep(0.05 * rank)  # the later ranks arrive last
+        arrived.append(rank)
+        comm.backend_of("world").barrier("here")
+        return sorted(arrived)  # every rank's arrival is in before any leaves
+
+    assert comm.run_simulated(meet, 3) == [[0, 1, 2]] * 3
+
+    def disagree(rank, world):
+        comm.backend_of("world").barrier("here" if rank else "there")
+
+    with pytest.raises(comm.SimulatedGroupError, match="met at different points: there \\(rank 0\\), here"):
+        comm.run_simulated(disagree, 2, timeout=60)

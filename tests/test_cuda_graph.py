@@ -105,6 +105,40 @@ def test_dm_generate_graphs_decode_at_tp1(family, tmp_path, fresh_seed):
     check_finishing_rows(tokens["finishing"], f"{family} tp=1 graphed (seed {fresh_seed})")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("family,tp", [(family, 2) for family in SIX_FAMILIES] + [("mamba2", 4), ("zamba2", 4)])
+def test_one_graph_replays_every_rank_of_a_gpu_mesh(family, tp, fresh_seed):
+    """On one GPU the ranks of a SimulatedMesh replay their sharded decode steps (the plan's decode
+    passes and kernels at tp > 1) from one CUDA graph (runtime/joint_graph.py): the tokens of the
+    eager steps and HF's for left-padded prompts of different lengths, capture and replay; and
+    across a batch whose rows finish at different steps, finished rows stay padded and each
+    row's tokens are its prompt's alone. The NCCL kernels of a real run are the test above's."""
+    from finishing_rows import finishing_rows
+    from ssmshard.runtime.joint_graph import RankOfJointGraph
+
+    model = small_model(family).cuda()
+    try:
+        mesh = ssmshard.SimulatedMesh(model, ssmshard.Plan(tp=tp))
+        ids, mask, options = _prompts(model, fresh_seed)
+        with torch.no_grad():
+            eager = mesh.generate(ids, mask, cuda_graph=False, **options)
+            graphed = mesh.generate(ids, mask, cuda_graph=True, **options)
+            graphs = [dm.decode_graph(ids.shape[0]) for dm in mesh.ranks]
+            again = mesh.generate(ids, mask, cuda_graph=True, **options)
+            hf = model.generate(ids, attention_mask=mask, do_sample=False, **options)
+            finishing = finishing_rows(lambda i, m, **o: mesh.generate(i, m, cuda_graph=True, **o), model, ids, mask,
+                                       PAD)
+        mesh.release_cuda_graphs()
+    finally:
+        model.cpu()
+    where = f"{family} tp={tp} (seed {fresh_seed})"
+    assert all(isinstance(g, RankOfJointGraph) and g.graph is graphs[0].graph for g in graphs), (where, graphs)
+    assert all((g.static is not None) == (family in ("zamba", "zamba2", "llama")) for g in graphs), where
+    assert torch.equal(graphed, eager) and torch.equal(again, eager), where
+    assert torch.equal(eager, hf), where
+    check_finishing_rows(finishing, f"{where} graphed")
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor-parallel CUDA graphs need 2 GPUs")
 @pytest.mark.parametrize("family", SIX_FAMILIES)
 def test_graphed_decode_with_nccl_all_reduces_matches_eager(family, tmp_path, fresh_seed):

@@ -3,7 +3,6 @@ points) launched over gloo gives the same logits as the simulated mesh in one pr
 share one capture per program, and generate HF's tokens from prompts shorter than the conv
 kernel (on the CPU, and on a GPU with the Triton kernels)."""
 
-import warnings
 
 import pytest
 import torch
@@ -69,8 +68,7 @@ def test_the_ranks_share_one_capture_of_each_program_and_shard_their_own_sibling
 @pytest.mark.parametrize("family", ["mamba", "falcon_mamba", "mamba2", "zamba", "zamba2", "llama"])
 def test_short_prompts_on_a_gpu_mesh(family, fresh_seed):
     """On a GPU (the Triton kernels): prompts of 1 to 7 tokens give HF's greedy tokens at tp = 1
-    (the decode step graphed) and tp = 2 (eager: rank threads cannot capture CUDA graphs at once,
-    and ``cuda_graph=True`` says so)."""
+    and tp = 2 (the decode steps of both ranks one CUDA graph, runtime/joint_graph.py)."""
     model = small_model(family).cuda()
     generator = torch.Generator().manual_seed(fresh_seed)
     try:
@@ -79,13 +77,10 @@ def test_short_prompts_on_a_gpu_mesh(family, fresh_seed):
             for length in (1, 2, 3, 7):
                 ids = torch.randint(1, model.config.vocab_size, (2, length), generator=generator).cuda()
                 mask = torch.ones_like(ids)
-                with torch.no_grad(), warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # tp = 2: the eager decode's warning
-                    tokens = mesh.generate(ids, attention_mask=mask, max_new_tokens=4)
+                with torch.no_grad():
+                    tokens = mesh.generate(ids, attention_mask=mask, max_new_tokens=4, cuda_graph=True)
                     expected = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
                 assert torch.equal(tokens, expected), f"{family} tp={tp}: prompt of {length} (seed {fresh_seed})"
-            if tp == 2:
-                with pytest.raises(ValueError, match="cannot capture CUDA graphs at once"):
-                    mesh.generate(ids, attention_mask=mask, max_new_tokens=2, cuda_graph=True)
+            mesh.release_cuda_graphs()
     finally:
         model.cpu()  # the model object is shared by the tests of this process

@@ -74,9 +74,10 @@ def test_tsp_on_the_gpu_equals_hf_eager(family, world, order, exact_fp32, on_gpu
 def test_tsp_generate_on_the_gpu_equals_hf(family, exact_fp32, on_gpu, fresh_seed):
     """``mesh.generate`` at ``Plan(tsp=2)``: a left-padded batch (lengths 11, 6, 9) prefilled
     sequence-sharded on the Triton kernels, its states handed to tensor-parallel decode over the
-    same shards (eager: rank threads cannot capture CUDA graphs at once). Greedy tokens equal HF's;
-    the prefill's last-token logits HF eager's (1e-5)."""
-    import warnings
+    same shards, both ranks' steps replayed from one CUDA graph (runtime/joint_graph.py; attention
+    families over static key/value buffers). Greedy tokens equal HF's; the prefill's last-token
+    logits HF eager's (1e-5)."""
+    from ssmshard.runtime.joint_graph import RankOfJointGraph
 
     model = on_gpu(small_model(family))
     mesh = ssmshard.SimulatedMesh(model, ssmshard.Plan(tsp=2))
@@ -84,10 +85,12 @@ def test_tsp_generate_on_the_gpu_equals_hf(family, exact_fp32, on_gpu, fresh_see
     with torch.no_grad():
         want = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
         expected = model(ids, attention_mask=mask).logits[:, -1:]
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the eager decode's warning at D = 2
-            ours = mesh.generate(ids, mask, max_new_tokens=6)
+        ours = mesh.generate(ids, mask, max_new_tokens=6)
         prefills = mesh.prefill(ids, mask)
     assert torch.equal(ours, want), (family, fresh_seed, ours, want)
+    graphs = [dm.decode_graph(ids.shape[0]) for dm in mesh.ranks]
+    assert all(isinstance(g, RankOfJointGraph) and g.graph is graphs[0].graph for g in graphs), graphs
+    assert all((g.static is not None) == (family in ("zamba", "zamba2", "llama")) for g in graphs), family
+    mesh.release_cuda_graphs()
     for rank, (logits, _) in enumerate(prefills):
         assert rel_err(logits, expected) < 1e-5, (family, rank, fresh_seed, rel_err(logits, expected))

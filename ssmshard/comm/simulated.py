@@ -115,8 +115,9 @@ class SimulatedGroup(CollectiveBackend):
         return ", ".join(f"{label} (rank {r})" for r, label in sorted(self._waiting.items()))
 
     # ------------------------------------------------------------------ rendezvous
-    def _meet(self, rank: int, label: str) -> None:
-        """Return once all ranks have reached this meeting; raise if that cannot happen."""
+    def _meet(self, rank: int, label: str, same_label: bool = False) -> None:
+        """Return once all ranks have reached this meeting; raise if that cannot happen (or,
+        with ``same_label``, if the ranks met under different labels)."""
         with self._cond:
             if self._failure is None and self._departed:
                 self._fail_locked(f"rank(s) {sorted(self._departed)} returned from their function before this "
@@ -126,6 +127,9 @@ class SimulatedGroup(CollectiveBackend):
             generation = self._generation
             self._waiting[rank] = label
             if len(self._waiting) == self._world:
+                if same_label and len(set(self._waiting.values())) > 1:
+                    self._fail_locked(f"the ranks met at different points: {self._describe_waiting()}")
+                    raise self._error(label, rank)
                 self._waiting.clear()
                 self._generation += 1
                 self._cond.notify_all()
@@ -138,6 +142,18 @@ class SimulatedGroup(CollectiveBackend):
                 self._fail_locked(f"timed out after {self.timeout:g} s: rank(s) {missing} never arrived while "
                                   f"{self._describe_waiting()} waited")
             raise self._error(label, rank)
+
+    def barrier(self, label: str = "barrier") -> None:
+        """Return once every rank has called ``barrier`` with the same ``label``; different labels,
+        a failure or a timeout of the group raise here as in a collective."""
+        rank = self.rank()
+        try:
+            self._meet(rank, label, same_label=True)
+        except SimulatedGroupError:
+            raise
+        except BaseException as exc:  # e.g. KeyboardInterrupt while waiting: release the others
+            self.abort(rank, exc)
+            raise
 
     def _exchange(self, what: str, x: Tensor, combine):
         """Deposit ``x``, meet, return ``combine(deposits, rank)``, meet again."""

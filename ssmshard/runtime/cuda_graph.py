@@ -94,6 +94,10 @@ class GraphedDecode:
         self.graph = None
 
     def _capture(self, token, states, attention_mask, position_ids):
+        self._record(self._bind(token, states, attention_mask, position_ids))
+
+    def _bind(self, token, states, attention_mask, position_ids):
+        """Allocate the input buffers the graph reads; returns ``run()``, one step over them."""
         self.token, self.positions = token.clone(), position_ids.clone()
         if self.static is not None:
             self.states = self.static.new_states(states)
@@ -112,6 +116,10 @@ class GraphedDecode:
         def run():
             return step(*self.weights, *inputs)
 
+        return run
+
+    def _record(self, run):
+        """Capture ``run`` as this object's graph: warm-up, capture, and the states copied back."""
         # Warm up on a side stream (allocator pools, Triton compilation, NCCL communicators)
         # before capture, as torch.cuda.graph requires.
         side = torch.cuda.Stream()
@@ -123,13 +131,20 @@ class GraphedDecode:
         self.graph = torch.cuda.CUDAGraph()
         _CAPTURED.add(self)
         with torch.cuda.graph(self.graph):
-            outputs = run()
-            # A program that writes its states in place (``inplace_decode_states``) returns the
-            # buffers themselves: nothing to copy back for those.
-            for buffer, new in zip(self.states, outputs[1:]):
-                if new is not buffer:
-                    buffer.copy_(new)
+            self._run_and_keep(run)
+
+    def _run_and_keep(self, run):
+        """One step under capture, its new states written into the state buffers."""
+        outputs = run()
+        # A program that writes its states in place (``inplace_decode_states``) returns the
+        # buffers themselves: nothing to copy back for those.
+        for buffer, new in zip(self.states, outputs[1:]):
+            if new is not buffer:
+                buffer.copy_(new)
         self.logits = outputs[0]
+
+    def _replay(self):
+        self.graph.replay()
 
     def release(self) -> None:
         """Free the graph and its buffers (the next call captures again)."""
@@ -169,5 +184,5 @@ class GraphedDecode:
         elif states is not self.states:
             for buffer, state in zip(self.states, states):
                 buffer.copy_(state)
-        self.graph.replay()
+        self._replay()
         return self.logits, self.states

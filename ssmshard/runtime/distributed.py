@@ -42,7 +42,7 @@ class DistributedModule(torch.nn.Module):
     """
 
     def __init__(self, program, weights: dict[str, torch.Tensor], plan: Plan, rank: int, *, model=None,
-                 shard_options=None, packed_program=None, captures=None):
+                 shard_options=None, packed_program=None, captures=None, decode_graphs=None):
         super().__init__()
         if program.mode not in ("forward", "prefill"):
             raise ValueError(f"a DistributedModule is built from its forward or prefill program, not {program.mode}")
@@ -60,6 +60,9 @@ class DistributedModule(torch.nn.Module):
         self._shard_options = shard_options
         self._generation = None if program.mode == "forward" else {"prefill": program}
         self._decode_graphs = {}  # batch size -> GraphedDecode
+        # callable(decode program, static_length) -> the decode step as a CUDA graph (default:
+        # ``GraphedDecode``; the ranks of a SimulatedMesh share one graph, runtime/joint_graph.py).
+        self._new_decode_graph = decode_graphs
         self._warned_eager_decode = False
         self.last_generation_loop = None  # "device" or "host": which loop the last generate ran
         self._names = {}
@@ -389,7 +392,7 @@ class DistributedModule(torch.nn.Module):
         graphed = self._decode_graphs.get(batch)
         if (graphed is None or not graphed.reads_weights(weights) or graphed.program is not decode
                 or (length is not None and graphed.static.length != length)):
-            graphed = self._decode_graphs[batch] = GraphedDecode(decode, length)
+            graphed = self._decode_graphs[batch] = (self._new_decode_graph or GraphedDecode)(decode, length)
         return graphed
 
     def decode_graph(self, batch: int):

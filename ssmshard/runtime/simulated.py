@@ -14,21 +14,23 @@ quantized sync points.
     grads = mesh.run(lambda dm: ...)                 # any per-rank function, backward included
 
 Backward through simulated collectives works on CPU tensors only, inside ``run`` (the rank
-threads own the collectives; see comm/simulated.py).
+threads own the collectives; see comm/simulated.py). On a GPU, ``generate`` replays the decode
+steps of all ranks from one CUDA graph (``runtime/joint_graph.py``).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import threading
-import warnings
 
 import torch
 
 from ..capture import capture
 from ..comm.simulated import DEFAULT_TIMEOUT_S, run_simulated
 from .distributed import DistributedModule, local_weights
+from .joint_graph import JointGraphs
 from .pipeline import shard_program
 
 _mesh_ids = itertools.count()
@@ -70,20 +72,21 @@ class SimulatedMesh:
         self.model = model
         self.timeout = timeout
         self.group = f"ssmshard_simulated{next(_mesh_ids)}"
-        self._warned_eager_decode = False
         plan.check_model(model)  # PlanError here, before any rank runs
         program = capture(model, mode="forward") if program is None else program
         captures = CapturedOnce()
         placements = plan.layout(program, model)  # likewise
         permutations = plan.weight_permutations(program, model)  # likewise; the model is not changed
         kernels = plan.kernel_choice(next(model.parameters()).device)
+        self._joint_graphs = JointGraphs(plan.tp, self.group)
         self.ranks: list[DistributedModule] = []
         for rank in range(plan.tp):
             options = {"rank": rank, "group": self.group, "kernels": kernels}
             local = shard_program(copy_for_a_rank(program), model, plan, placements=placements, **options)
             weights = local_weights(local, placements, model, rank, permutations)
             self.ranks.append(DistributedModule(local, weights, plan, rank, model=model, shard_options=options,
-                                                captures=captures))
+                                                captures=captures,
+                                                decode_graphs=functools.partial(self._joint_graphs.for_rank, rank)))
 
     @property
     def program(self):
@@ -112,28 +115,18 @@ class SimulatedMesh:
     def generate(self, input_ids, attention_mask=None, **kwargs):
         """Rank 0's output of ``DistributedModule.generate`` (every rank returns the same ids).
 
-        On a GPU at tp > 1 the decode step runs eagerly: the ranks are threads of one process, and
-        two threads cannot capture CUDA graphs at once. ``cuda_graph="auto"`` says so in a warning
-        (once per mesh); ``cuda_graph=True`` raises ``ValueError`` before anything runs."""
-        if self.plan.tp > 1 and next(self.model.parameters()).is_cuda:
-            kwargs["cuda_graph"] = self._eager_decode(kwargs.get("cuda_graph", "auto"))
+        On a GPU the decode step of every rank is replayed from one CUDA graph
+        (``runtime/joint_graph.py``), where ``cuda_graph`` asks for one as in ``DistributedModule.generate``."""
         self._generation_programs(kwargs.get("prefill_chunk_size"), input_ids)
         if self._may_decode_static_kv(kwargs.get("static_kv", "auto"), kwargs.get("cuda_graph", "auto")):
             for dm in self.ranks:  # captured here for the same reason as the other programs
                 dm.static_decode_program()
         return self.run(lambda dm: dm.generate(input_ids, attention_mask, **kwargs))[0]
 
-    def _eager_decode(self, cuda_graph) -> bool:
-        """``cuda_graph`` for a GPU mesh of several ranks: False, or why it cannot be True."""
-        if cuda_graph is True:
-            raise ValueError(f"cuda_graph=True: the {self.plan.tp} ranks of a SimulatedMesh are threads of one "
-                             "process and cannot capture CUDA graphs at once; pass cuda_graph=False (what "
-                             "'auto' does here), or launch real processes (ssmshard.launch, torchrun)")
-        if cuda_graph == "auto" and not self._warned_eager_decode:
-            self._warned_eager_decode = True
-            warnings.warn(f"SimulatedMesh(tp={self.plan.tp}) on a GPU decodes eagerly: its rank threads "
-                          "cannot capture CUDA graphs at once", stacklevel=3)
-        return False
+    def release_cuda_graphs(self) -> None:
+        """Free the ranks' decode graph (the next graphed ``generate`` captures it again)."""
+        for dm in self.ranks:
+            dm.release_cuda_graphs()
 
     def _may_decode_static_kv(self, static_kv, cuda_graph="auto") -> bool:
         """Whether ``generate(static_kv=...)`` may decode over static key/value buffers: asked
