@@ -8,8 +8,12 @@ from conftest import small_model
 
 
 def plan_for(world):
-    """TP with a dropped sync point and int8-quantized ones (every call quantized)."""
-    return ssmshard.Plan(tp=world, drop_syncs=["layers.0.o_proj"], quantize_syncs={"layers.1.*": "int8"},
+    """TP with a dropped sync point and an int8-quantized one (every call quantized), the model's
+    first: the quantized all-reduce sums its dequantized parts in rank order on both backends,
+    while gloo's exact all-reduce of more than two parts sums in an order of its own; a sum one
+    bit off, quantized later, could round to the next code step (seed 15 at tp 4: 5.4e-4 apart
+    when layer 1's syncs were the quantized ones)."""
+    return ssmshard.Plan(tp=world, drop_syncs=["layers.0.o_proj"], quantize_syncs={"layers.0.down_proj": "int8"},
                          quantize_min_bytes=0)
 
 

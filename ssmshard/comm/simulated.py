@@ -3,7 +3,8 @@
 Every collective is a rendezvous of the N rank threads: each deposits its tensor, waits until
 all have (the first meeting), computes its own result from all deposits, and waits again (the
 second meeting) so no deposit is reused while a rank still reads it. Results are those of a
-real process group: sums are taken in rank order, each rank's result is a fresh tensor.
+real process group, each rank's result a fresh tensor; sums are taken in rank order (a real
+backend may add more than two parts in another order, which can change the last bit).
 
 A simulated group never hangs. A meeting waits at most ``timeout`` seconds; a rank that raises
 (anywhere in its function), returns while others wait in a collective, or calls a different

@@ -4,9 +4,10 @@ Each rank is a :class:`~ssmshard.runtime.distributed.DistributedModule` built ex
 ``parallelize`` builds it in its own process (the same capture, ``plan.layout``, rank
 pipeline and weight slices); the collectives run in memory through a
 :class:`~ssmshard.comm.simulated.SimulatedGroup` (one thread per rank, sums in rank order), so
-the values are those of an N-process run. It is what sync-point calibration
-(``ssmshard.sensitivity``) runs on: one machine evaluates a tp=8 plan with dropped or
-quantized sync points.
+the values are those of an N-process run (up to the order in which a backend adds more than
+two parts: the mesh adds them in rank order, gloo and NCCL in orders of their own). It is what
+sync-point calibration (``ssmshard.sensitivity``) runs on: one machine evaluates a tp=8 plan
+with dropped or quantized sync points.
 
     mesh = SimulatedMesh(model, Plan(tp=8, drop_syncs=["layers.*.o_proj"]))
     logits = mesh(ids)                               # rank 0's logits (every rank has them)
