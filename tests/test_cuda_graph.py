@@ -139,6 +139,42 @@ def test_one_graph_replays_every_rank_of_a_gpu_mesh(family, tp, fresh_seed):
     check_finishing_rows(finishing, f"{where} graphed")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_rank_failing_while_the_mesh_graph_is_captured(monkeypatch, fresh_seed):
+    """A rank that raises while the ranks record their steps: every rank raises at once (the
+    failing rank's error first), the capture is ended, and the next generate captures the graph
+    anew and gives HF's tokens."""
+    from ssmshard.runtime.joint_graph import RankOfJointGraph
+
+    model = small_model("mamba2").cuda()
+    real = RankOfJointGraph._run_and_keep
+
+    def fail_on_rank_1(self, run):
+        if self.rank == 1:
+            raise RuntimeError("rank 1 fails under capture")
+        return real(self, run)
+
+    try:
+        mesh = ssmshard.SimulatedMesh(model, ssmshard.Plan(tp=2), timeout=60)
+        ids, mask, options = _prompts(model, fresh_seed)
+        with torch.no_grad():
+            with monkeypatch.context() as patch:
+                patch.setattr(RankOfJointGraph, "_run_and_keep", fail_on_rank_1)
+                with pytest.raises(RuntimeError, match="rank 1 fails under capture") as failure:
+                    mesh.generate(ids, mask, cuda_graph=True, **options)
+            assert not torch.cuda.is_current_stream_capturing()
+            tokens = mesh.generate(ids, mask, cuda_graph=True, **options)
+            graph = mesh.ranks[0].decode_graph(ids.shape[0])
+            hf = model.generate(ids, attention_mask=mask, do_sample=False, **options)
+        mesh.release_cuda_graphs()
+    finally:
+        model.cpu()
+    notes = " ".join(getattr(failure.value, "__notes__", []))
+    assert "simulated rank 0: SimulatedGroupError" in notes, notes
+    assert isinstance(graph, RankOfJointGraph), graph
+    assert torch.equal(tokens, hf), fresh_seed
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor-parallel CUDA graphs need 2 GPUs")
 @pytest.mark.parametrize("family", SIX_FAMILIES)
 def test_graphed_decode_with_nccl_all_reduces_matches_eager(family, tmp_path, fresh_seed):
