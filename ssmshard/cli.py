@@ -158,7 +158,7 @@ def cmd_demo(args) -> int:
         print(f"\ntensor parallelism over {args.nproc} CPU processes (gloo): {ssmshard.Plan(tp=args.nproc)}")
         with tempfile.TemporaryDirectory() as tmp:
             result_path = os.path.join(tmp, "tp.json")
-            ssmshard.launch(_demo_rank, args.nproc, args.family, result_path)
+            ssmshard.launch(_demo_rank, args.nproc, args.family, result_path, backend="gloo")
             with open(result_path) as f:
                 errors.append(json.load(f)["err"])
     ok = all(e <= DEMO_TOLERANCE for e in errors)

@@ -62,7 +62,7 @@ def tp2(tmp_path_factory):
         cases.append({"family": family, "overrides": overrides, "dir": directory, "saved": saved, "how": how,
                       "dtype": dtype, "mesh": mesh})
     out = root / "results.json"
-    ssmshard.launch(checkpoint_worker.run_all, TP, cases, seed, str(out))
+    ssmshard.launch(checkpoint_worker.run_all, TP, cases, seed, str(out), backend="gloo")
     results = json.loads(out.read_text())
     assert len(results) == TP * len(CASES)
     return results, seed

@@ -26,7 +26,7 @@ def test_collectives_on_gloo_and_simulated(tmp_path, fresh_seed):
     gloo groups of N = 2, 3, 4 (one launch: groups of the last N of 4 processes, so group ranks
     differ from global ranks) equals the direct torch.distributed computation and the global
     plain-torch computation (values and gradients); the simulated group equals the gloo run."""
-    ssmshard.launch(comm_worker.gloo_ranks, max(WORLDS), fresh_seed, str(tmp_path), WORLDS)
+    ssmshard.launch(comm_worker.gloo_ranks, max(WORLDS), fresh_seed, str(tmp_path), WORLDS, backend="gloo")
     for world in WORLDS:
         simulated = comm.run_simulated(comm_worker.exercise, world, "simulated", fresh_seed, group="simulated")
         names = {case.name for case in comm_worker.cases(world)}

@@ -39,7 +39,7 @@ def _siblings_after_generate(rank, world, seed, out_path):
 @pytest.mark.compat
 def test_tp2_decode_reuses_its_program_for_local_state_shapes(tmp_path, fresh_seed):
     out = tmp_path / "siblings.json"
-    ssmshard.launch(_siblings_after_generate, 2, fresh_seed, str(out))
+    ssmshard.launch(_siblings_after_generate, 2, fresh_seed, str(out), backend="gloo")
     for report in json.loads(out.read_text()):
         assert report["sharded_states"] > 0, report
         assert report["state_ranges_local"], report

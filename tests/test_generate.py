@@ -52,7 +52,8 @@ def test_generate_matches_hf_generate_and_states_are_sharded(tp, families, tmp_p
     channels or heads. Chunked prefill (Mamba, Zamba, Zamba2) gives each rank the local states
     and logits of one shot."""
     out = tmp_path / "generate.json"
-    ssmshard.launch(generate_worker.generate_results, tp, families, fresh_seed, str(out), (ARGUMENT_FAMILY[tp],))
+    ssmshard.launch(generate_worker.generate_results, tp, families, fresh_seed, str(out), (ARGUMENT_FAMILY[tp],),
+                    backend="gloo")
     results = json.loads(out.read_text())
     assert [r["family"] for r in results] == families
     # The families whose EOS is not the pad id (all but Mamba and Falcon-Mamba) also run unmasked.
@@ -159,7 +160,7 @@ def test_a_lazy_forward_module_from_a_checkpoint_generates_hf_tokens(tmp_path, f
     small_model("zamba2").save_pretrained(tmp_path / "ckpt")
     out = tmp_path / "lazy.json"
     ssmshard.launch(generate_worker.lazy_forward_from_a_checkpoint, 2, "zamba2", str(tmp_path / "ckpt"),
-                    fresh_seed, str(out))
+                    fresh_seed, str(out), backend="gloo")
     r = json.loads(out.read_text())
     where = f"seed {fresh_seed}"
     assert r["equal_hf"], (where, r["ours"], r["hf"])

@@ -35,7 +35,7 @@ def test_hf_raises_index_error_for_these_ids():
 ])
 def test_out_of_range_ids_raise_index_error_on_every_rank_and_path(tp, families, paths, tmp_path):
     out = tmp_path / "outcomes.json"
-    ssmshard.launch(inputs_worker.bad_id_outcomes, tp, families, str(out), paths)
+    ssmshard.launch(inputs_worker.bad_id_outcomes, tp, families, str(out), paths, backend="gloo")
     per_rank = [json.loads((tmp_path / f"outcomes.json.{r}").read_text()) for r in range(tp)]
     assert all(rank == per_rank[0] for rank in per_rank)  # every rank raised alike
     rows = per_rank[0]

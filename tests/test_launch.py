@@ -59,6 +59,19 @@ def test_launch_rejects_a_bad_backend_and_timeout(monkeypatch):
     assert collective_timeout(None, "gloo") == 300.0
 
 
+def test_a_nccl_group_for_weights_off_the_gpu_is_a_clear_error(monkeypatch):
+    """parallelize's check before any collective: NCCL carries CUDA tensors only (torch's own error,
+    from inside the first collective, names neither NCCL nor the weights' device)."""
+    from ssmshard.runtime import distributed
+
+    monkeypatch.setattr(distributed.dist, "get_backend", lambda group=None: "nccl")
+    with pytest.raises(ValueError, match="NCCL, which carries CUDA tensors only, but this rank's weights are on cpu"):
+        distributed.check_backend_carries(None, torch.device("cpu"))
+    distributed.check_backend_carries(None, torch.device("cuda", 0))  # no device touched: only its type is read
+    monkeypatch.setattr(distributed.dist, "get_backend", lambda group=None: "gloo")
+    distributed.check_backend_carries(None, torch.device("cpu"))
+
+
 # A launcher script: rank 0 runs a collective; what rank 1 does instead is the scenario.
 # Each rank writes its pid, so the test can check that no rank outlives the run.
 SCRIPT = textwrap.dedent('''
@@ -89,7 +102,7 @@ SCRIPT = textwrap.dedent('''
 
     if __name__ == "__main__":
         scenario, pid_dir, timeout = sys.argv[1], sys.argv[2], float(sys.argv[3])
-        ssmshard.launch(rank_fn, 2, scenario, pid_dir, timeout=timeout)
+        ssmshard.launch(rank_fn, 2, scenario, pid_dir, timeout=timeout, backend="gloo")
 ''')
 
 

@@ -453,7 +453,7 @@ def test_distributed_packed_forward_and_grads_match_unsharded_packed_program(tmp
                          "grads": {k: v.grad for k, v in leaves.items() if v.grad is not None}}
     torch.save(cases, tmp_path / "cases.pt")
     out = tmp_path / "packed.json"
-    ssmshard.launch(tp_worker.packed_errors, 2, str(tmp_path / "cases.pt"), str(out))
+    ssmshard.launch(tp_worker.packed_errors, 2, str(tmp_path / "cases.pt"), str(out), backend="gloo")
     results = json.loads(out.read_text())
     assert len(results) == 2 * len(cases)
     for r in results:

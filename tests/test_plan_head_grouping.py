@@ -111,7 +111,7 @@ def test_checkpoint_is_read_through_the_permutation(tmp_path, fresh_seed):
         cases.append({"family": family, "overrides": overrides, "point": point, "permutation": permutation,
                       "dir": str(directory), "ids": ids.tolist()})
     out = tmp_path / "results.json"
-    ssmshard.launch(head_grouping_worker.run_all, 2, cases, str(out))
+    ssmshard.launch(head_grouping_worker.run_all, 2, cases, str(out), backend="gloo")
     ranks = json.loads(out.read_text())
     for rank, results in enumerate(ranks):
         for case, want, got in zip(cases, expected, results):

@@ -105,7 +105,7 @@ def test_gloo_equals_oracle_and_simulated_and_backward_is_exact(tmp_path, fresh_
     plain-torch oracle bit for bit, and equals a SimulatedGroup run; the gradient equals that of
     the exact all-reduce exactly; both backends record the same bytes."""
     worlds = (2, 4)
-    ssmshard.launch(worker.gloo_ranks, max(worlds), fresh_seed, str(tmp_path), worlds)
+    ssmshard.launch(worker.gloo_ranks, max(worlds), fresh_seed, str(tmp_path), worlds, backend="gloo")
     for world in worlds:
         simulated = _simulated(world, worker.exercise, "qsim", fresh_seed)
         for rank in range(world):

@@ -33,7 +33,7 @@ def test_sequence_parallel_equals_eager_and_tp(tp, tmp_path, fresh_seed):
     cases = [(family, TP3[family] if tp == 3 else {}) for family in SIX_FAMILIES]
     out = tmp_path / "sp.json"
     ssmshard.launch(sp_worker.sequence_parallel_results, tp, cases, [1, 2 * tp + 1], fresh_seed,
-                    str(out))
+                    str(out), backend="gloo")
     for rank, results in enumerate(json.loads(out.read_text())):
         assert [r["family"] for r in results] == SIX_FAMILIES
         for r in results:

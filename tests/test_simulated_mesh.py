@@ -19,7 +19,7 @@ def test_simulated_mesh_equals_a_gloo_run(world, tmp_path, fresh_seed):
     model = small_model("llama")
     ids = torch.randint(0, model.config.vocab_size, (2, 13), generator=torch.Generator().manual_seed(fresh_seed))
     out = tmp_path / "logits.pt"
-    ssmshard.launch(mesh_worker.logits, world, ids, str(out))
+    ssmshard.launch(mesh_worker.logits, world, ids, str(out), backend="gloo")
     mesh = ssmshard.SimulatedMesh(model, mesh_worker.plan_for(world))
     with torch.no_grad():
         simulated = mesh(ids)

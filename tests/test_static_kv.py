@@ -32,7 +32,7 @@ def test_static_kv_decode_generates_hf_tokens(tp, families, tmp_path, fresh_seed
     buffers is refused before any program is built, with the sizes in the message; a static-K/V
     generate builds only the programs it runs."""
     out = tmp_path / "static_kv.json"
-    ssmshard.launch(static_kv_worker.static_kv_results, tp, families, fresh_seed, str(out))
+    ssmshard.launch(static_kv_worker.static_kv_results, tp, families, fresh_seed, str(out), backend="gloo")
     results = json.loads(out.read_text())
     assert [r["family"] for r in results] == families
     for r in results:

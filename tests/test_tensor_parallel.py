@@ -46,7 +46,7 @@ TP2_CASES = [case for case in FORWARD_CASES if case not in REPEATS_AT_TP2]
                          ids=["1", "2", "2-all", "4"])
 def test_logits_match_hf_eager(tp, cases, tmp_path, fresh_seed):
     out = tmp_path / "results.json"
-    ssmshard.launch(tp_worker.forward_errors, tp, cases, fresh_seed, str(out))
+    ssmshard.launch(tp_worker.forward_errors, tp, cases, fresh_seed, str(out), backend="gloo")
     results = json.loads(out.read_text())
     assert len(results) == len(cases)
     for r in results:
@@ -72,7 +72,7 @@ def test_gradients_are_slices_of_the_unsharded_gradients(tp, cases, tmp_path, fr
     per-token float32 scan rounds differently). Errors are over the whole gradient vector; see
     tp_worker.gradient_errors."""
     out = tmp_path / "grads.json"
-    ssmshard.launch(tp_worker.gradient_errors, tp, cases, fresh_seed, str(out))
+    ssmshard.launch(tp_worker.gradient_errors, tp, cases, fresh_seed, str(out), backend="gloo")
     for rank_results in json.loads(out.read_text()):
         for r in rank_results:
             assert r["logits_err"] < TOL, r

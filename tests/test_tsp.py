@@ -42,7 +42,7 @@ def _check_logits_and_gradients(world, cases, lengths, order, tmp_path, seed, we
     D = 2, seed 3769080726, ours 3.8e-5 from HF's fp32 gradient, HF's perturbed ones up to 9.0e-5
     from its fp64 one; ``tsp_worker.rounding_perturbed_grads``)."""
     out = tmp_path / "tsp.json"
-    ssmshard.launch(tsp_worker.tsp_results, world, cases, lengths, seed, str(out), order, weights)
+    ssmshard.launch(tsp_worker.tsp_results, world, cases, lengths, seed, str(out), order, weights, backend="gloo")
     for rank, results in enumerate(json.loads(out.read_text())):
         assert [r["family"] for r in results] == [family for family, _ in cases]
         for r in results:
@@ -84,7 +84,7 @@ def test_tsp_weight_shards_and_activation_memory(tmp_path):
     world, lengths = 2, [64, 128]
     out = tmp_path / "mem.json"
     families = ["mamba2", "llama", "zamba2"]
-    ssmshard.launch(tsp_worker.memory_results, world, [(f, {}) for f in families], lengths, str(out))
+    ssmshard.launch(tsp_worker.memory_results, world, [(f, {}) for f in families], lengths, str(out), backend="gloo")
     for rank, results in enumerate(json.loads(out.read_text())):
         for r in results:
             where = f"{r['family']} rank {rank}: {r}"
@@ -122,7 +122,7 @@ def test_tsp_prefill_then_greedy_generate_equals_hf(world, families, order, weig
     over the same shards): HF's tokens, and the prefill's last-token logits within 1e-5."""
     cases = [(family, TP3[family] if world == 3 else {}) for family in families]
     out = tmp_path / "gen.json"
-    ssmshard.launch(tsp_worker.generate_results, world, cases, fresh_seed, str(out), order, weights)
+    ssmshard.launch(tsp_worker.generate_results, world, cases, fresh_seed, str(out), order, weights, backend="gloo")
     for rank, results in enumerate(json.loads(out.read_text())):
         assert [r["family"] for r in results] == families
         for r in results:
@@ -145,7 +145,7 @@ def test_tsp_packed_rows_equal_each_sequence_alone(families, tmp_path, fresh_see
     sequences beside a sequence spanning both ranks with an odd length (chunks padded)."""
     out = tmp_path / "packed.json"
     packings = [[7, 4, 3], [2, 9, 1, 3]]
-    ssmshard.launch(tsp_worker.packed_results, 2, families, packings, fresh_seed, str(out))
+    ssmshard.launch(tsp_worker.packed_results, 2, families, packings, fresh_seed, str(out), backend="gloo")
     for rank, results in enumerate(json.loads(out.read_text())):
         assert [(r["family"], r["lengths"]) for r in results] == [(f, p) for f in families for p in packings]
         for r in results:

@@ -30,7 +30,7 @@ def test_ring_linear_equals_whole_linear(world, tmp_path, fresh_seed):
     (even splits) of its slice of the whole weight's gradient over every rank's tokens. At most two
     received shards alive at once (exactly two from D = 3: the one in use and the one arriving)."""
     out = tmp_path / "ring.json"
-    ssmshard.launch(tsp_worker.ring_linear_results, world, _cases(world), fresh_seed, str(out))
+    ssmshard.launch(tsp_worker.ring_linear_results, world, _cases(world), fresh_seed, str(out), backend="gloo")
     _check(world, json.loads(out.read_text()), fresh_seed)
 
 

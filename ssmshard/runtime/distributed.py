@@ -468,6 +468,7 @@ def parallelize(model, plan: Plan, *, group=None, device_mesh=None, checkpoint=N
         nccl = dist.get_backend(group) == "nccl"
         device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     weights_device = device if source is not None else next(model.parameters()).device
+    check_backend_carries(group, weights_device)
     options = {"rank": rank, "group": name, "kernels": plan.kernel_choice(torch.device(weights_device))}
     program = shard_program(program, model, plan, placements=placements, **options)
     if packed_program is not None:
@@ -486,6 +487,17 @@ def parallelize(model, plan: Plan, *, group=None, device_mesh=None, checkpoint=N
     else:
         weights = local_weights(program, placements, model, rank, permutations, lifted=not lazy_forward)
     return module(program, weights)
+
+
+def check_backend_carries(group, device) -> None:
+    """A ``ValueError`` before any collective where ``group``'s backend cannot carry tensors on
+    ``device``: NCCL carries CUDA tensors only (torch's own error comes from inside the first
+    collective and names neither)."""
+    if dist.get_backend(group) == "nccl" and torch.device(device).type != "cuda":
+        raise ValueError(f"the process group's backend is NCCL, which carries CUDA tensors only, but this rank's "
+                         f"weights are on {device}: move the model to this rank's GPU (model.to('cuda:<local "
+                         "rank>')), or start the group with gloo (ssmshard.launch(..., backend='gloo'), "
+                         "dist.init_process_group('gloo'))")
 
 
 def local_weights(program, placements, model, rank: int, permutations=None, lifted: bool = True) -> dict:

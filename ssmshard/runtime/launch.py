@@ -250,7 +250,8 @@ def _wait(processes, error_files) -> None:
 def launch(fn, nprocs: int, *args, backend: str | None = None, timeout: float | None = None) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``nprocs`` new processes, each in one process group.
 
-    ``backend``: ``"gloo"`` or ``"nccl"`` (default: NCCL when there is a GPU per rank, else gloo).
+    ``backend``: ``"gloo"`` or ``"nccl"`` (default: NCCL when there is a GPU per rank, else gloo;
+    NCCL carries CUDA tensors only, so a model on the CPU of a GPU machine needs ``"gloo"``).
     ``timeout``: seconds a collective may wait for the other ranks before it raises (default:
     ``$SSMSHARD_TIMEOUT``, else 300 s for gloo, 600 s for NCCL). Arguments are checked before
     anything starts. If a rank fails, the others are stopped and :class:`LaunchError` is raised
