@@ -17,6 +17,13 @@ from ssmshard.testing import randomize_weights
 
 SIX_FAMILIES = ["mamba", "falcon_mamba", "mamba2", "zamba", "zamba2", "llama"]
 
+# Tests that hand CPU tensors to the Triton kernels: they need the interpreter, which is on only
+# where no GPU is present (above); on a GPU machine the GPU tests run those kernels on CUDA tensors.
+interpreted_kernels = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="runs the Triton kernels on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1, set where no "
+           "GPU is present)")
+
 
 @pytest.fixture
 def fresh_seed(request):

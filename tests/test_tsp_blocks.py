@@ -12,6 +12,8 @@ from ssmshard import comm, sequence_blocks
 from ssmshard.testing import rel_err
 from ssmshard.token_layout import TokenLayout
 
+from conftest import interpreted_kernels
+
 TOL = 1e-5
 
 
@@ -241,6 +243,7 @@ def test_zigzag_refuses_packed_rows():
 # Triton's CPU interpreter (TRITON_INTERPRET=1, tests/conftest.py) runs the kernels: sizes tiny.
 # Each interpreted kernel program costs seconds: batch 2 with two B/C groups (4x the programs) in
 # the slow set.
+@interpreted_kernels
 @pytest.mark.parametrize("world,length,b,groups,order", [
     (2, 7, 1, 1, "contiguous"), pytest.param(3, 13, 2, 2, "contiguous", marks=pytest.mark.slow),
     pytest.param(2, 11, 1, 1, "zigzag", marks=pytest.mark.slow)])
@@ -251,6 +254,7 @@ def test_sharded_selective_scan_on_triton_kernel(world, length, b, groups, order
     _check_selective_scan(world, length, order, b, 4, groups, "triton", fresh_seed)
 
 
+@interpreted_kernels
 @pytest.mark.parametrize("world,length", [(2, 7), pytest.param(3, 13, marks=pytest.mark.slow)])
 def test_sharded_ssd_scan_on_triton_kernel(world, length, fresh_seed):
     _check_ssd_scan(world, length, "contiguous", 2, "triton", fresh_seed)
@@ -258,6 +262,7 @@ def test_sharded_ssd_scan_on_triton_kernel(world, length, fresh_seed):
 
 # Interpreted kernels over three ranks take most of a minute: the slow set (the reference path's
 # packed test above runs by default).
+@interpreted_kernels
 @pytest.mark.slow
 @pytest.mark.parametrize("world,length", [(3, 12), (3, 14)])
 def test_packed_state_passing_on_triton_kernels_equals_each_sequence_alone(world, length, fresh_seed):
@@ -280,7 +285,7 @@ class _Shapes(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("kernels", ["reference", "triton"])
+@pytest.mark.parametrize("kernels", ["reference", pytest.param("triton", marks=interpreted_kernels)])
 def test_mamba1_state_passing_on_triton_kernels_makes_no_decay_tensor(kernels, fresh_seed):
     """Forward and backward of a rank's Mamba-1 block: the reference correction materialises a
     (b, d, c, n) decay tensor (checked here, so the check can fail), the rerun on the kernel none:

@@ -15,7 +15,7 @@ from ssmshard.capture import capture
 from ssmshard.comm import CollectiveBackend
 from ssmshard.testing import rel_err
 
-from conftest import small_model
+from conftest import interpreted_kernels, small_model
 from generate_worker import left_padded_prompts
 
 
@@ -70,6 +70,7 @@ def test_tsp_options_that_cannot_apply_raise_before_work():
 
 
 # Interpreted, Mamba-1's 128-channel scans took 956 s on the shared 2-core machine (Mamba-2: 19 s).
+@interpreted_kernels
 @pytest.mark.parametrize("family", [pytest.param("mamba", marks=pytest.mark.slow), "mamba2"])
 def test_tsp_on_triton_scan_kernels_equals_hf_eager(family, monkeypatch, fresh_seed):
     """``Plan(tsp=2, kernels="triton")``: the rank pipeline as on CUDA (the ``tsp`` pass hands
