@@ -72,6 +72,16 @@ def why_not_graphable(program) -> Optional[str]:
     return None
 
 
+def warm_up(run, stream) -> None:
+    """Run ``run()`` twice on ``stream`` (allocator pools, Triton compilation, NCCL communicators)
+    before a capture, as torch.cuda.graph requires; the current stream then waits for it."""
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(stream)
+
+
 class GraphedDecode:
     """``decode(token (b, 1), states, attention_mask=, position_ids=) -> (logits, states)`` of one
     program at one batch size, replayed from a CUDA graph.
@@ -120,14 +130,7 @@ class GraphedDecode:
 
     def _record(self, run):
         """Capture ``run`` as this object's graph: warm-up, capture, and the states copied back."""
-        # Warm up on a side stream (allocator pools, Triton compilation, NCCL communicators)
-        # before capture, as torch.cuda.graph requires.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                run()
-        torch.cuda.current_stream().wait_stream(side)
+        warm_up(run, torch.cuda.Stream())
         self.graph = torch.cuda.CUDAGraph()
         _CAPTURED.add(self)
         with torch.cuda.graph(self.graph):

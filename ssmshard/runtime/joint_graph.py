@@ -31,16 +31,14 @@ import threading
 import torch
 
 from ..comm.groups import backend_of
-from .cuda_graph import _CAPTURED, GraphedDecode
+from .cuda_graph import _CAPTURED, GraphedDecode, warm_up
 
 
 class JointDecodeGraph:
-    """One CUDA graph holding the decode step of each of a mesh's ``world`` ranks (module
-    docstring); the rank threads of process group ``group`` call it through their
-    :class:`RankOfJointGraph`."""
+    """One CUDA graph holding the decode step of each rank of a mesh (module docstring); the
+    rank threads of process group ``group`` call it through their :class:`RankOfJointGraph`."""
 
-    def __init__(self, world: int, group: str):
-        self.world = world
+    def __init__(self, group: str):
         self.group = group
         self.graph = None
         self.stream = None
@@ -57,10 +55,7 @@ class JointDecodeGraph:
                 self.stream = torch.cuda.Stream()
         # Warm-up on the one stream too: a simulated collective reads the other ranks' tensors,
         # and only one stream orders their kernels.
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            for _ in range(2):
-                run()
+        warm_up(run, self.stream)
         self._meet("warmed up")
         if rank == 0:
             torch.cuda.synchronize()
@@ -146,7 +141,7 @@ class JointGraphs:
             index = self._requests[rank]
             self._requests[rank] += 1
             if index not in self._open:
-                self._open[index] = (JointDecodeGraph(self.world, self.group), set(range(self.world)))
+                self._open[index] = (JointDecodeGraph(self.group), set(range(self.world)))
             joint, waiting = self._open[index]
             waiting.discard(rank)
             if not waiting:
