@@ -14,6 +14,7 @@ Gloo on CPU; NCCL with one GPU per process when GPUs are present. Exits 1 above 
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import sys
 
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import ssmshard
+from ssmshard.runtime.launch import collective_timeout
 from ssmshard.testing import randomize_weights, rel_err
 
 
@@ -36,7 +38,11 @@ def main() -> int:
     if use_gpu:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     device = torch.device("cuda", torch.cuda.current_device()) if use_gpu else torch.device("cpu")
-    # Initialises the default process group from torchrun's environment (gloo or NCCL).
+    # The backend named, not left to torch: a group started without one on a machine with a GPU
+    # has NCCL only, which carries no CPU tensors. The timeout bounds every wait for another rank.
+    backend = "nccl" if use_gpu else "gloo"
+    timeout = datetime.timedelta(seconds=collective_timeout(None, backend))
+    dist.init_process_group(backend, timeout=timeout)  # torchrun's environment: rank, world, store
     mesh = init_device_mesh(device.type, (int(os.environ["WORLD_SIZE"]),), mesh_dim_names=("tp",))
     rank, world = dist.get_rank(), dist.get_world_size()
     plan = ssmshard.Plan(tp=world)

@@ -9,8 +9,12 @@ import torch
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """max |actual - expected| / max |expected|: the error measure every check here uses."""
-    actual, expected = actual.detach().double(), expected.detach().double()
+    """max |actual - expected| / max |expected|: the error measure every check here uses.
+
+    The two may live on different devices (a kernel's CUDA output against a CPU float64
+    reference): the comparison runs on the CPU.
+    """
+    actual, expected = actual.detach().double().cpu(), expected.detach().double().cpu()
     scale = expected.abs().max().item()
     return (actual - expected).abs().max().item() / (scale if scale > 0 else 1.0)
 
@@ -25,7 +29,7 @@ def joint_rel_err(pairs) -> float:
     """
     diff = scale = 0.0
     for actual, expected in pairs:
-        actual, expected = actual.detach().double(), expected.detach().double()
+        actual, expected = actual.detach().double().cpu(), expected.detach().double().cpu()
         diff = max(diff, (actual - expected).abs().max().item())
         scale = max(scale, expected.abs().max().item())
     return diff / (scale if scale > 0 else 1.0)

@@ -61,15 +61,31 @@ def test_launch_rejects_a_bad_backend_and_timeout(monkeypatch):
 
 def test_a_nccl_group_for_weights_off_the_gpu_is_a_clear_error(monkeypatch):
     """parallelize's check before any collective: NCCL carries CUDA tensors only (torch's own error,
-    from inside the first collective, names neither NCCL nor the weights' device)."""
+    from inside the first collective, names neither NCCL nor the weights' device). The check reads
+    torch's backend config: a group started without a backend on a machine with a GPU reports
+    'undefined' to dist.get_backend and has NCCL only ('cuda:nccl')."""
     from ssmshard.runtime import distributed
 
-    monkeypatch.setattr(distributed.dist, "get_backend", lambda group=None: "nccl")
-    with pytest.raises(ValueError, match="NCCL, which carries CUDA tensors only, but this rank's weights are on cpu"):
+    monkeypatch.setattr(distributed.dist, "get_backend_config", lambda group=None: "cuda:nccl")
+    with pytest.raises(ValueError, match=r"backends \(nccl for cuda\) carry no cpu tensors, but this rank's "
+                                         r"weights are on cpu"):
         distributed.check_backend_carries(None, torch.device("cpu"))
     distributed.check_backend_carries(None, torch.device("cuda", 0))  # no device touched: only its type is read
-    monkeypatch.setattr(distributed.dist, "get_backend", lambda group=None: "gloo")
-    distributed.check_backend_carries(None, torch.device("cpu"))
+    for config in ("cpu:gloo,cuda:gloo", "cpu:gloo", "cpu:gloo,cuda:nccl"):
+        monkeypatch.setattr(distributed.dist, "get_backend_config", lambda group=None, c=config: c)
+        distributed.check_backend_carries(None, torch.device("cpu"))
+
+
+def test_backends_by_device_reads_a_real_group():
+    """A real one-rank gloo group: torch's config names gloo for both device types."""
+    from ssmshard.comm.groups import backends_by_device
+
+    store = torch.distributed.HashStore()
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        assert backends_by_device()["cpu"] == "gloo"
+    finally:
+        torch.distributed.destroy_process_group()
 
 
 # A launcher script: rank 0 runs a collective; what rank 1 does instead is the scenario.

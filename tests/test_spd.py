@@ -137,6 +137,10 @@ def test_spd_matches_the_emulation_from_hf_modules(case, tp, fresh_seed):
     placements stay consistent; every rank returns the same logits."""
     build, name, where = CASES[case]
     model = build()
+    if case == "mamba2_out_proj" and not hasattr(model.backbone.layers[1].mixer.norm, "group_size"):
+        pytest.skip("this transformers' Mamba-2 gated RMSNorm spans all channels (transformers 5.17; newer ones "
+                    "normalise each group): its statistic is summed over the ranks, so each rank's channels depend "
+                    "on the other ranks' streams, which the per-rank emulation from HF modules cannot reproduce")
     ids = _ids(model, fresh_seed)
     mesh = ssmshard.SimulatedMesh(model, ssmshard.Plan(tp=tp, drop_syncs=[name]))
     exact = ssmshard.SimulatedMesh(model, ssmshard.Plan(tp=tp))

@@ -97,10 +97,23 @@ class CollectiveError(RuntimeError):
     """A collective did not complete on this rank; the message names the rank, op and group."""
 
 
+def backends_by_device(pg=None) -> dict:
+    """``{device type: backend name}`` of process group ``pg``: ``{'cpu': 'gloo', 'cuda': 'gloo'}``,
+    ``{'cuda': 'nccl'}``, ...
+
+    Read from torch's backend config, not ``dist.get_backend``: a group started without a backend
+    (``init_process_group()``, or ``init_device_mesh`` before any group exists) reports
+    ``'undefined'`` there, and on a machine with a GPU it has NCCL only, so it carries no CPU
+    tensors even where the mesh was built for ``'cpu'``.
+    """
+    config = dist.get_backend_config(pg)
+    return dict(part.split(":", 1) for part in config.split(",") if ":" in part)
+
+
 def _timeout_seconds(pg) -> float | None:
     """The timeout ``pg`` was created with, where this torch exposes it (a private attribute)."""
     try:
-        device = torch.device("cuda" if dist.get_backend(pg) == "nccl" else "cpu")
+        device = torch.device("cpu" if "cpu" in backends_by_device(pg) else "cuda")
         return pg._get_backend(device).options._timeout.total_seconds()
     except Exception:  # noqa: BLE001  (only used to word an error message)
         return None

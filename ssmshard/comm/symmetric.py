@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .groups import ProcessGroupBackend, _named_failures
+from .groups import ProcessGroupBackend, _named_failures, backends_by_device
 
 # The one-shot kernel reads N peer buffers per element, so its cost grows with the message.
 # benchmarks/results/allreduce: at tp=2 on H200s it beat NCCL (inside a CUDA graph) at every
@@ -36,9 +36,9 @@ def check_supported(process_group) -> None:
     on one host whose torch has symmetric memory. Called before any collective runs."""
     if not torch.cuda.is_available():
         raise SymmetricMemoryError("Plan(allreduce='symm_mem') needs CUDA GPUs; use allreduce='nccl' (the default)")
-    if dist.get_backend(process_group) != "nccl":
+    if backends_by_device(process_group).get("cuda") != "nccl":
         raise SymmetricMemoryError("Plan(allreduce='symm_mem') needs an NCCL process group "
-                                   f"(got {dist.get_backend(process_group)!r}); use allreduce='nccl'")
+                                   f"(got {dist.get_backend_config(process_group)!r}); use allreduce='nccl'")
     if not hasattr(torch.ops, "symm_mem") or not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy"):
         raise SymmetricMemoryError(f"this torch ({torch.__version__}) has no symm_mem.one_shot_all_reduce_copy; "
                                    "use allreduce='nccl'")

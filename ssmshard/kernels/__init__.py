@@ -16,3 +16,6 @@ explicitly (they need Triton, and TRITON_INTERPRET=1 set first to run on CPU); t
 * ``gemv``: the skinny matmul of a decode step's linear layers (``ssmshard.decode_linear``), and of
   several sharing one input in one launch (``ssmshard.decode_linear_group``).
 """
+
+# Every kernel module imports this package first: the interpreter's fixes apply before any launch.
+from . import interpreter  # noqa: E402,F401

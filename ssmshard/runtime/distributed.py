@@ -12,6 +12,7 @@ import torch.distributed as dist
 from ..capture import capture
 from ..packing import PackedBatch
 from ..comm import all_reduce, register_group
+from ..comm.groups import backends_by_device
 from ..families import build_meta_model, family_of
 from ..permutation import permuted_local_slice
 from ..placement import Shard, local_slice
@@ -465,8 +466,8 @@ def parallelize(model, plan: Plan, *, group=None, device_mesh=None, checkpoint=N
     name = f"ssmshard_tp{next(_group_ids)}"
     register_group(name, _collective_backend(plan, group))
     if source is not None and device is None:
-        nccl = dist.get_backend(group) == "nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        gpu_only = "cpu" not in backends_by_device(group)  # an NCCL group: the slices go to this rank's GPU
+        device = torch.device("cuda", torch.cuda.current_device()) if gpu_only else torch.device("cpu")
     weights_device = device if source is not None else next(model.parameters()).device
     check_backend_carries(group, weights_device)
     options = {"rank": rank, "group": name, "kernels": plan.kernel_choice(torch.device(weights_device))}
@@ -490,14 +491,18 @@ def parallelize(model, plan: Plan, *, group=None, device_mesh=None, checkpoint=N
 
 
 def check_backend_carries(group, device) -> None:
-    """A ``ValueError`` before any collective where ``group``'s backend cannot carry tensors on
+    """A ``ValueError`` before any collective where ``group`` has no backend for tensors on
     ``device``: NCCL carries CUDA tensors only (torch's own error comes from inside the first
-    collective and names neither)."""
-    if dist.get_backend(group) == "nccl" and torch.device(device).type != "cuda":
-        raise ValueError(f"the process group's backend is NCCL, which carries CUDA tensors only, but this rank's "
-                         f"weights are on {device}: move the model to this rank's GPU (model.to('cuda:<local "
-                         "rank>')), or start the group with gloo (ssmshard.launch(..., backend='gloo'), "
-                         "dist.init_process_group('gloo'))")
+    collective and names neither). A group started without naming a backend on a machine with a
+    GPU is such a group (:func:`backends_by_device`)."""
+    backends = backends_by_device(group)
+    if torch.device(device).type not in backends:
+        carried = ", ".join(f"{backend} for {kind}" for kind, backend in backends.items())
+        raise ValueError(f"the process group's backends ({carried}) carry no {torch.device(device).type} tensors, "
+                         f"but this rank's weights are on {device}: move the model to this rank's GPU "
+                         "(model.to('cuda:<local rank>')), or start the group with gloo "
+                         "(ssmshard.launch(..., backend='gloo'), dist.init_process_group('gloo'); a group started "
+                         "without a backend on a machine with a GPU has NCCL only)")
 
 
 def local_weights(program, placements, model, rank: int, permutations=None, lifted: bool = True) -> dict:
