@@ -14,9 +14,13 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     The two may live on different devices (a kernel's CUDA output against a CPU float64
     reference): the comparison runs on the CPU.
     """
-    actual, expected = actual.detach().double().cpu(), expected.detach().double().cpu()
+    actual, expected = _cpu_float64(actual), _cpu_float64(expected)
     scale = expected.abs().max().item()
     return (actual - expected).abs().max().item() / (scale if scale > 0 else 1.0)
+
+
+def _cpu_float64(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().double().cpu()
 
 
 def joint_rel_err(pairs) -> float:
@@ -29,7 +33,7 @@ def joint_rel_err(pairs) -> float:
     """
     diff = scale = 0.0
     for actual, expected in pairs:
-        actual, expected = actual.detach().double().cpu(), expected.detach().double().cpu()
+        actual, expected = _cpu_float64(actual), _cpu_float64(expected)
         diff = max(diff, (actual - expected).abs().max().item())
         scale = max(scale, expected.abs().max().item())
     return diff / (scale if scale > 0 else 1.0)

@@ -77,7 +77,7 @@ def test_a_nccl_group_for_weights_off_the_gpu_is_a_clear_error(monkeypatch):
 
 
 def test_backends_by_device_reads_a_real_group():
-    """A real one-rank gloo group: torch's config names gloo for both device types."""
+    """A real one-rank gloo group: torch's config names gloo for CPU tensors."""
     from ssmshard.comm.groups import backends_by_device
 
     store = torch.distributed.HashStore()

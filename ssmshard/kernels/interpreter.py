@@ -40,13 +40,9 @@ def _read_one_element_arrays_as_indices() -> None:
     def index(tensor) -> int:
         return int(tensor.handle.data.squeeze())
 
-    def patch_lang_tensor(tensor, *rest):
-        patch(tensor, *rest)
-        scope = rest[0] if rest and hasattr(rest[0], "set_attr") else None
-        if scope is not None:
-            scope.set_attr(tensor, "__index__", index)
-        else:  # Triton versions whose patches are not scoped set the attribute directly
-            tensor.__index__ = index
+    def patch_lang_tensor(tensor, scope):  # Triton 3.6 to 3.9: (tensor, the launch's patch scope)
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", index)
 
     patch_lang_tensor.reads_one_element_arrays = True
     triton_interpreter._patch_lang_tensor = patch_lang_tensor

@@ -495,10 +495,10 @@ def check_backend_carries(group, device) -> None:
     ``device``: NCCL carries CUDA tensors only (torch's own error comes from inside the first
     collective and names neither). A group started without naming a backend on a machine with a
     GPU is such a group (:func:`backends_by_device`)."""
-    backends = backends_by_device(group)
-    if torch.device(device).type not in backends:
-        carried = ", ".join(f"{backend} for {kind}" for kind, backend in backends.items())
-        raise ValueError(f"the process group's backends ({carried}) carry no {torch.device(device).type} tensors, "
+    backends, kind = backends_by_device(group), torch.device(device).type
+    if kind not in backends:
+        carried = ", ".join(f"{backend} for {each}" for each, backend in backends.items())
+        raise ValueError(f"the process group's backends ({carried}) carry no {kind} tensors, "
                          f"but this rank's weights are on {device}: move the model to this rank's GPU "
                          "(model.to('cuda:<local rank>')), or start the group with gloo "
                          "(ssmshard.launch(..., backend='gloo'), dist.init_process_group('gloo'); a group started "
