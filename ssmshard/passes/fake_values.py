@@ -42,11 +42,18 @@ def propagate_fake_values(gm: torch.fx.GraphModule, vals: list) -> None:
     Attention is propagated through SDPA's math backend: on CUDA the fused backends' fake
     kernels pad the mask with ``constant_pad_nd``, which refuses the symbolic key length of a
     growing-cache decode program. Only shapes and dtypes are computed here, and they do not
-    depend on the backend; the program itself runs whichever backend torch picks."""
+    depend on the backend; the program itself runs whichever backend torch picks.
+
+    Composite ops run their Python decompositions (the Python dispatcher, as export traces):
+    under torch 2.11 the C++ ``aten.matmul`` inside a higher-order op's subgraph (Llama's
+    rotary embedding, under ``wrap_with_autocast``) reads its operands' sizes as integers,
+    which fixes the batch and sequence symbols to the example sizes for the rest of the
+    program."""
+    from torch._dispatch.python import enable_python_dispatcher
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     full = os.environ.get("SSMSHARD_FULL_PROPAGATION", "") not in ("", "0")
-    with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
+    with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]), enable_python_dispatcher():
         _ChangedOnly(gm, detect_fake_mode(vals), full=full).propagate_dont_convert_inputs(*vals)
 
 
