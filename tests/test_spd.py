@@ -129,7 +129,7 @@ def _all_reduces(mesh):
     return mesh.program.op_counts()["ssmshard.all_reduce"]
 
 
-def _skip_where_the_emulation_is_no_oracle(case, model):
+def skip_where_the_emulation_is_no_oracle(case, model):
     if case == "mamba2_out_proj" and not hasattr(model.backbone.layers[1].mixer.norm, "group_size"):
         pytest.skip("this transformers' Mamba-2 gated RMSNorm spans all channels (transformers 5.17; newer ones "
                     "normalise each group): its statistic is summed over the ranks, so each rank's channels depend "
@@ -144,7 +144,7 @@ def test_spd_matches_the_emulation_from_hf_modules(case, tp, fresh_seed):
     placements stay consistent; every rank returns the same logits."""
     build, name, where = CASES[case]
     model = build()
-    _skip_where_the_emulation_is_no_oracle(case, model)
+    skip_where_the_emulation_is_no_oracle(case, model)
     ids = _ids(model, fresh_seed)
     mesh = ssmshard.SimulatedMesh(model, ssmshard.Plan(tp=tp, drop_syncs=[name]))
     exact = ssmshard.SimulatedMesh(model, ssmshard.Plan(tp=tp))
@@ -268,7 +268,7 @@ def test_fused_norms_under_spd_keep_the_emulations_logits(monkeypatch, case, fre
     monkeypatch.setattr(ssmshard.Plan, "kernel_choice", lambda self, device: "triton")
     build, name, where = CASES[case]
     model = build()
-    _skip_where_the_emulation_is_no_oracle(case, model)
+    skip_where_the_emulation_is_no_oracle(case, model)
     ids = _ids(model, fresh_seed)
     mesh = ssmshard.SimulatedMesh(model, ssmshard.Plan(tp=2, drop_syncs=[name], training=False))
     exact = ssmshard.SimulatedMesh(model, ssmshard.Plan(tp=2, training=False))

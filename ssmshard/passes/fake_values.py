@@ -44,11 +44,12 @@ def propagate_fake_values(gm: torch.fx.GraphModule, vals: list) -> None:
     growing-cache decode program. Only shapes and dtypes are computed here, and they do not
     depend on the backend; the program itself runs whichever backend torch picks.
 
-    Composite ops run their Python decompositions (the Python dispatcher, as export traces):
-    under torch 2.11 the C++ ``aten.matmul`` inside a higher-order op's subgraph (Llama's
-    rotary embedding, under ``wrap_with_autocast``) reads its operands' sizes as integers,
-    which fixes the batch and sequence symbols to the example sizes for the rest of the
-    program."""
+    Composite ops run their Python decompositions (the Python dispatcher, as export traces).
+    torch 2.11's export keeps Llama's rotary embedding as a higher-order op (``_higher_order_ops/
+    wrap.py``) whose subgraph calls the composite ``aten.matmul``; run without the Python
+    dispatcher, its fake kernel reads the operands' sizes as integers, and the shape environment
+    then replaces the batch and sequence symbols by the example sizes for the whole program
+    (benchmarks/results/gpu_suite/)."""
     from torch._dispatch.python import enable_python_dispatcher
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
