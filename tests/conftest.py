@@ -52,6 +52,13 @@ def small_model(family: str, **overrides):
     return _MODELS[key]
 
 
+def gated_norm_has_groups(model) -> bool:
+    """Whether the installed transformers' gated RMSNorm (Mamba-2, Zamba2) normalises each group of
+    channels; transformers 5.17's spans all of them (no ``group_size``)."""
+    norm = next(m for m in model.modules() if type(m).__name__.endswith("RMSNormGated"))
+    return hasattr(norm, "group_size")
+
+
 def pipeline_steps(plan, mode: str = "decode", kernels: str = "triton") -> list:
     """The names of the pass steps ``plan`` runs on one rank's program of ``mode``, in order."""
     return [s if isinstance(s, str) else s[0]

@@ -13,6 +13,8 @@ from transformers import (LlamaConfig, LlamaForCausalLM, Mamba2Config, Mamba2For
 import ssmshard
 from ssmshard.runtime.pipeline import shard_program
 
+from conftest import gated_norm_has_groups
+
 FP32 = 4  # bytes per value
 
 
@@ -42,8 +44,7 @@ def _llama():  # Llama-3-8B's dimensions, two layers
 def _norm_groups(model, n_groups):
     """Groups of the mixers' gated RMSNorm: n_groups, or one (all of d_inner) where the installed
     transformers normalises Mamba-2 without groups (5.17 does)."""
-    norm = next(m for m in model.modules() if type(m).__name__.endswith("RMSNormGated"))
-    return n_groups if hasattr(norm, "group_size") else 1
+    return n_groups if gated_norm_has_groups(model) else 1
 
 
 def _mamba2_expected(c, tp, model):

@@ -24,6 +24,7 @@ import os
 from typing import Any
 
 import torch
+from torch._dispatch.python import enable_python_dispatcher
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.node import map_aggregate
@@ -44,18 +45,23 @@ def propagate_fake_values(gm: torch.fx.GraphModule, vals: list) -> None:
     growing-cache decode program. Only shapes and dtypes are computed here, and they do not
     depend on the backend; the program itself runs whichever backend torch picks.
 
-    Composite ops run their Python decompositions (the Python dispatcher, as export traces).
-    torch 2.11's export keeps Llama's rotary embedding as a higher-order op (``_higher_order_ops/
-    wrap.py``) whose subgraph calls the composite ``aten.matmul``; run without the Python
-    dispatcher, its fake kernel reads the operands' sizes as integers, and the shape environment
-    then replaces the batch and sequence symbols by the example sizes for the whole program
-    (benchmarks/results/gpu_suite/)."""
-    from torch._dispatch.python import enable_python_dispatcher
+    Ops run under :func:`fake_execution`."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     full = os.environ.get("SSMSHARD_FULL_PROPAGATION", "") not in ("", "0")
-    with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]), enable_python_dispatcher():
+    with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]), fake_execution():
         _ChangedOnly(gm, detect_fake_mode(vals), full=full).propagate_dont_convert_inputs(*vals)
+
+
+def fake_execution():
+    """The context every op runs in on fake values here (the verifier's propagation, a pass's new
+    node): composite ops take their Python decompositions through the Python dispatcher, as
+    export traces them. torch 2.11's export keeps Llama's rotary embedding as a higher-order op
+    (``_higher_order_ops/wrap.py``) whose subgraph calls the composite ``aten.matmul``; run
+    without the Python dispatcher, its fake kernel reads the operands' sizes as integers, and the
+    shape environment then replaces the batch and sequence symbols by the example sizes for the
+    whole program (benchmarks/results/gpu_suite/)."""
+    return enable_python_dispatcher()
 
 
 class _ChangedOnly(FakeTensorProp):

@@ -20,7 +20,7 @@ import torch
 
 from ...placement import Partial, Placement, Replicate, Shard, SeqShard
 from ...program import source_line
-from ..fake_values import ALIKE_VALUES, alike_key, free_symbols, leaves
+from ..fake_values import ALIKE_VALUES, alike_key, fake_execution, free_symbols, leaves
 
 
 class ShardingError(RuntimeError):
@@ -171,7 +171,8 @@ def _fake_value(node):
     if key is not None and key in cache:
         return cache[key]
     try:
-        val = node.target(*args, **kwargs)
+        with fake_execution():
+            val = node.target(*args, **kwargs)
     except Exception:  # noqa: BLE001 - the verifier re-propagates every value after the pass
         return None
     if key is not None and free_symbols(val) <= free_symbols(flat):
