@@ -120,6 +120,22 @@ def peak_activation_bytes(program, ids) -> int:
     return interpreter.peak
 
 
+def masked_decode_attention(seed: int, batch: int, grouped: bool, device: str = "cuda"):
+    """One decode step's attention inputs, bf16, and its left-padding mask in both forms: query
+    ``[batch, 32, 1, 128]``, keys and values ``[batch, 8 or 32, 200, 128]`` (``grouped``: 8 key/value
+    heads), up to 150 leading keys masked per row; the boolean mask (True: attend) and the additive
+    one ``hoist_attention_mask`` builds (0, ``-inf`` where masked). Drawn on the CPU from ``seed``,
+    so a seed names the same inputs on every machine."""
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, 32, 1, 128, generator=generator).to(device, torch.bfloat16)
+    k, v = (torch.randn(batch, 8 if grouped else 32, 200, 128, generator=generator).to(device, torch.bfloat16)
+            for _ in range(2))
+    pad = torch.randint(0, 150, (batch,), generator=generator)
+    mask = (torch.arange(200)[None, :] >= pad[:, None]).to(device)[:, None, None, :]
+    additive = torch.zeros_like(mask, dtype=q.dtype).masked_fill(mask.logical_not(), float("-inf"))
+    return q, k, v, mask, additive
+
+
 def _without_lift_number(name: str | None) -> str:
     # Export numbers the constants it lifts over the whole graph (``lifted_tensor_<i>``): the
     # number says where in the trace a constant was lifted, not which of the model's it is.

@@ -2,12 +2,15 @@
 attention reads the one converted mask, and the logits are those of the program without the pass
 (PyTorch converts a boolean mask to the same values inside each call), the tokens HF's."""
 
+import functools
+
 import pytest
 import torch
-from torch.nn.attention import SDPBackend
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import ssmshard
 from ssmshard.passes import run_pipeline
+from ssmshard.testing import masked_decode_attention
 
 from conftest import pipeline_steps, small_model
 from test_decode_passes import INFERENCE_PASSES, assert_same_logits_and_hf_tokens
@@ -54,24 +57,19 @@ def test_plan_runs_it_before_the_kernel_swap_and_skip_passes_leaves_it_out():
 @pytest.mark.parametrize("gqa", [True, False])
 @pytest.mark.parametrize("batch", [1, 64])
 def test_gpu_attention_with_the_additive_mask_equals_the_boolean_one(batch, gqa, fresh_seed):
-    """The kernel PyTorch picks for a decode step's attention (bf16, one query; grouped key/value
-    heads or as many as the queries) gives the same bits with the hoisted mask as with the boolean one."""
-    generator = torch.Generator().manual_seed(fresh_seed)
-    q = torch.randn(batch, 32, 1, 128, generator=generator).to("cuda", torch.bfloat16)
-    k, v = (torch.randn(batch, 8 if gqa else 32, 200, 128, generator=generator).to("cuda", torch.bfloat16)
-            for _ in range(2))
-    pad = torch.randint(0, 150, (batch,), generator=generator)
-    mask = (torch.arange(200)[None, :] >= pad[:, None]).to("cuda")[:, None, None, :]
-    additive = torch.zeros_like(mask, dtype=q.dtype).masked_fill(mask.logical_not(), float("-inf"))
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    expected = sdpa(q, k, v, attn_mask=mask, enable_gqa=gqa)
-    got = sdpa(q, k, v, attn_mask=additive, enable_gqa=gqa)
-    if not torch.equal(got, expected):  # say enough to tell a kernel choice from run-to-run noise
-        backends = [SDPBackend(torch._fused_sdp_choice(q, k, v, attn_mask=m, enable_gqa=gqa)).name
-                    for m in (mask, additive)]
-        repeatable = [torch.equal(sdpa(q, k, v, attn_mask=m, enable_gqa=gqa), first)
-                      for m, first in ((mask, expected), (additive, got))]
-        differ = got != expected
-        pytest.fail(f"batch {batch}, gqa {gqa}, seed {fresh_seed}: {int(differ.sum())} of {got.numel()} values "
-                    f"differ, by up to {float((got - expected).abs().max()):.3g}; kernels (boolean, additive): "
-                    f"{backends}; each equal to itself when called again: {repeatable}")
+    """A decode step's attention (bf16, one query; grouped key/value heads or as many as the
+    queries) with the hoisted mask: PyTorch picks the same kernel as for the boolean mask, the math
+    kernel gives the same bits, and the picked kernel agrees to one bf16 rounding. Not the same
+    bits there: on an H200 with torch 2.11 the pick is cuDNN's, whose decode attention does not
+    repeat its own bits from call to call at batch 16 and above, boolean mask or not
+    (benchmarks/results/gpu_suite/mask_bits.py and its log)."""
+    q, k, v, mask, additive = masked_decode_attention(fresh_seed, batch, gqa)
+    sdpa = functools.partial(torch.nn.functional.scaled_dot_product_attention, q, k, v, enable_gqa=gqa)
+    where = f"batch {batch}, gqa {gqa}, seed {fresh_seed}"
+    picked = [SDPBackend(torch._fused_sdp_choice(q, k, v, attn_mask=m, enable_gqa=gqa)) for m in (mask, additive)]
+    assert picked[0] == picked[1], f"{where}: kernels (boolean, additive) {picked}"
+    with sdpa_kernel(SDPBackend.MATH):
+        assert torch.equal(sdpa(attn_mask=additive), sdpa(attn_mask=mask)), f"{where}: the math kernel"
+    # One bf16 rounding of the value: the spread of the picked kernel's own calls.
+    torch.testing.assert_close(sdpa(attn_mask=additive), sdpa(attn_mask=mask), rtol=2**-7, atol=1e-6,
+                               msg=lambda m: f"{where}, kernel {picked[0].name}: {m}")
