@@ -2,6 +2,8 @@
 # one call. PART=gpu: the files with GPU-only tests (a CUDA skip condition); PART=rest: the other
 # files; anything else: the test paths given in PART. A per-test log (-v) so that a run cut off by
 # its time limit still names every test it ran. Logs under $OUT/logs/gpu_suite_<name>.log.
+# A part does not fit one call (each was cut by its limit at 76-90%): SHARDS=N SHARD=i (0 <= i < N)
+# runs every N-th of its files, starting at the i-th, as part <name>_<i>of<N>.
 export PYTHONPATH=$PWD
 mkdir -p $OUT/logs
 case "${PART:?set PART=gpu, rest or test paths}" in
@@ -9,6 +11,10 @@ case "${PART:?set PART=gpu, rest or test paths}" in
   rest) files=$(grep -L "cuda.is_available" tests/test_*.py); name=rest ;;
   *)    files=$PART; name=${NAME:-subset} ;;
 esac
+if [ -n "${SHARDS:-}" ]; then
+  files=$(echo $files | tr ' ' '\n' | awk -v n="$SHARDS" -v i="${SHARD:?set SHARD with SHARDS}" '(NR - 1) % n == i')
+  name=${name}_${SHARD}of${SHARDS}
+fi
 timeout -s INT ${LIMIT:-540} python -m pytest $files -m "not slow" -k "${K:-not nothing}" -o addopts="" \
   -p no:cacheprovider -p no:benchmark -n ${WORKERS:-12} -v -rfE --durations=10 2>&1 \
   | grep -v "^bringing up nodes" > $OUT/logs/gpu_suite_${name}_full.log
