@@ -38,6 +38,13 @@ def test_forward_matches_hf_for_all_shapes_with_one_graph(family, fresh_seed):
             ids = torch.randint(0, model.config.vocab_size, (batch, seq))
             err = rel_err(program(ids), hf_logits(model, ids))
             assert err < TOL, f"{family} b={batch} l={seq}: rel err {err:.2e} (seed {fresh_seed})"
+    if family == "llama" and torch.torch_version.TorchVersion(torch.__version__) < (2, 12):
+        # torch 2.11's export cannot prove a guard its attention makes for every length,
+        # min(16 s, 32 s) == 16 s, and refuses lengths from 1; capture lets export choose the
+        # range (from 2), so length 1 gets one sibling (benchmarks/results/gpu_suite/forward_seq_range.py).
+        assert program.ranges[(0, 1)][0] == 2 and len(program.siblings) == 1, program.describe_ranges()
+        assert program.siblings[0].admits([ids[:, :1]]), "the sibling serves length 1"
+        return
     assert program.siblings == [], "forward must serve every shape with the one captured graph"
 
 

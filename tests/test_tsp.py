@@ -12,7 +12,7 @@ from ssmshard.capture import capture
 from ssmshard.plan import PlanError
 
 import tsp_worker
-from conftest import SIX_FAMILIES, small_model
+from conftest import SIX_FAMILIES, gated_norm_has_groups, small_model
 from test_sequence_parallel import TP3
 
 ONE_GROUP = {2: {"n_groups": 1}, 4: {"n_groups": 1},
@@ -189,10 +189,12 @@ def test_tsp_plan_errors_before_launch():
 def test_explain_compares_tp_and_tsp_traffic():
     """Mamba-2 at D = 2: TP all-reduces each layer's out_proj output (hidden fp32 values per token,
     a ring moving 2 (D-1)/D of it); TSP's per-layer bytes do not grow with the sequence (no
-    attention: weights, halos and states only), so a longer sequence only raises TP's."""
+    attention: weights, halos and states only), so a longer sequence only raises TP's. Where the
+    gated norm spans all channels (transformers 5.17), TP also all-reduces one fp32 sum of squares
+    per token."""
     model = small_model("mamba2")
     program = capture(model, mode="forward")
-    hidden = model.config.hidden_size
+    values_per_token = model.config.hidden_size + (0 if gated_norm_has_groups(model) else 1)
 
     def rows(seq):
         text = ssmshard.Plan(tsp=2).explain(program, model, batch=2, seq=seq)
@@ -202,7 +204,7 @@ def test_explain_compares_tp_and_tsp_traffic():
     short, long = rows(512), rows(4096)
     assert sorted(short) == [str(i) for i in range(model.config.num_hidden_layers)]
     for layer in short:
-        assert int(short[layer][0].replace(",", "")) == 2 * 512 * hidden * 4  # 2 (D-1)/D = 1 at D = 2
-        assert int(long[layer][0].replace(",", "")) == 2 * 4096 * hidden * 4
+        assert int(short[layer][0].replace(",", "")) == 2 * 512 * values_per_token * 4  # 2 (D-1)/D = 1 at D = 2
+        assert int(long[layer][0].replace(",", "")) == 2 * 4096 * values_per_token * 4
         assert short[layer][1] == long[layer][1]  # TSP: fixed per layer
         assert short[layer][2] == long[layer][2]  # the break-even depends on the model, not the length

@@ -5,6 +5,10 @@
 # A part does not fit one call (each was cut by its limit at 76-90%): SHARDS=N SHARD=i (0 <= i < N)
 # runs every N-th of its files, starting at the i-th, as part <name>_<i>of<N>.
 export PYTHONPATH=$PWD
+# Two threads per process: the multi-process tests start several ranks per worker, and with
+# torch's default (a thread per core) 12 workers oversubscribed the 16 cores. With 2, a set of
+# 40 of them took 90 s; with the default, single tests of that set took 300-480 s.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 mkdir -p $OUT/logs
 case "${PART:?set PART=gpu, rest or test paths}" in
   gpu)  files=$(grep -l "cuda.is_available" tests/test_*.py); name=gpu ;;
