@@ -554,10 +554,14 @@ def _trace(model, family, mode, example_batch, example_seq, packed=False, exampl
         with _layer_progress(model, f"{family.class_name} ({mode})"):
             try:
                 exported = torch.export.export(wrapper, args, dynamic_shapes=dynamic, strict=False)
-            except torch._dynamo.exc.UserError:
+            except torch._dynamo.exc.UserError as refusal:
                 if mode != "forward":
                     raise
-                # This model does branch on length after all: let export choose the ranges.
+                # This model branches on length after all (or export cannot prove a guard for
+                # every length, as torch 2.11 for Llama at length 1): let export choose the ranges.
+                log.info("%s (forward): export refused every length (%s); capturing with the range "
+                         "export chooses, other lengths get a sibling graph on first use",
+                         family.class_name, str(refusal).splitlines()[0])
                 dynamic = ({1: Dim.AUTO}, {0: Dim.AUTO}) if packed else ({0: batch, 1: Dim.AUTO},)
                 exported = torch.export.export(wrapper, args, dynamic_shapes=dynamic, strict=False)
 
