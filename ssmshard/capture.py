@@ -56,7 +56,7 @@ import torch
 from torch.export import Dim
 
 from .families import family_of
-from .hf_compat import cache_kwarg
+from .hf_compat import cache_kwarg, check_transformers_version
 from .hf_shims import continued_scans, swapped_kernel_functions
 from .layer_repeat import (TRACED_LAYERS, NotRepeatable, decoder_layers, layer_lists, repeat_layers, repetitions,
                            truncated)
@@ -387,6 +387,7 @@ def capture(model, *, mode: str = "forward", packed: bool = False, static_kv: bo
     in, instead of HF's float32 (``Plan(ssm_state_dtype=...)``); conv and key/value states keep
     the model's dtype.
     """
+    check_transformers_version()
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if static_kv and mode != "decode":
