@@ -11,6 +11,15 @@ oldest and the newest). What moved inside that range:
   ``**kwargs`` instead of its cache argument does not fail: the model quietly starts a new
   cache, and a decode step becomes a prefill. So the name is read from the signature, never
   assumed, and an unknown signature is an error.
+* The kernel entry points. From 5.25 the mixers call per-layer wrappers (``*_scan_forward``,
+  ``causal_conv1d_forward``) that read and write the cache and call the module-level kernel
+  functions the shims replace (``hf_shims``); the wrappers split off the tokens whose states a
+  recording cache keeps, which capture folds away (``passes/canonicalize.py``). Mamba-2's gated
+  norm is ``Mamba2RMSNormGated`` (``MambaRMSNormGated`` before); the shims take any
+  ``*RMSNormGated`` class of the modeling module.
+* The cache's token counter. From 5.25 each SSM cache layer counts tokens in a tensor of its
+  own, bumped in place by every mixer; programs never read it and capture drops the writes
+  (``Program.from_exported``).
 """
 
 from __future__ import annotations
@@ -21,11 +30,6 @@ from packaging.version import Version
 
 # Oldest release tested (the GPU machines' image).
 OLDEST_SUPPORTED = Version("5.17.0")
-# First release known not to work: 5.25.0 renames Mamba-2's gated norm (MambaRMSNormGated),
-# runs it through a `kernels` hub layer whose tensor_split has no sharding rule, and gives each
-# Mamba layer its own lifted constants, so layer repetition no longer finds equal layers. The
-# pin in pyproject.toml matches; raise it once the suite passes on the new release.
-FIRST_UNSUPPORTED = Version("5.25.0")
 # Newest name first: a model that accepts several (deprecated aliases) gets the current one.
 CACHE_KWARGS = ("cache", "cache_params", "past_key_values")
 
@@ -39,9 +43,9 @@ def transformers_version() -> Version:
 def check_transformers_version() -> None:
     """A clear error for a release outside the supported range, before any capture."""
     version = transformers_version()
-    if not OLDEST_SUPPORTED <= version < FIRST_UNSUPPORTED:
-        raise ImportError(f"ssmshard supports transformers >= {OLDEST_SUPPORTED}, < {FIRST_UNSUPPORTED}; found "
-                          f"{version}: pip install 'transformers>={OLDEST_SUPPORTED},<{FIRST_UNSUPPORTED}'")
+    if version < OLDEST_SUPPORTED:
+        raise ImportError(f"ssmshard supports transformers >= {OLDEST_SUPPORTED}; found {version}: "
+                          f"pip install 'transformers>={OLDEST_SUPPORTED}'")
 
 
 def cache_kwarg(model) -> str:

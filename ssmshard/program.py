@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import math
 import dataclasses
+import os
 import threading
 from typing import Any
 
@@ -30,6 +31,46 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 WEIGHT_KINDS = {InputKind.PARAMETER: "parameter", InputKind.BUFFER: "buffer",
                 InputKind.CONSTANT_TENSOR: "constant"}
+
+
+def _written_arguments(node: torch.fx.Node) -> list:
+    """The arguments an op writes in place (its schema's mutable arguments)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return []
+    written = []
+    for position, argument in enumerate(schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            written.append(node.args[position] if position < len(node.args) else node.kwargs.get(argument.name))
+    return written
+
+
+def _drop_unread_constants(graph: torch.fx.Graph, constants) -> None:
+    """Erase the nodes of captured constants whose values never reach an output.
+
+    From transformers 5.25, HF's linear-attention cache layers count tokens in a tensor of their
+    own (``cumulative_length_linear``) and bump it in place in every mixer. Export captures the
+    tensor as a constant (or a fresh copy of one, detached and moved) and keeps the ``add_``,
+    because an in-place op is never dead code. ssmshard's programs keep positions themselves and
+    never read the counter; left in, each layer would write its own constant on every call (and
+    layer repetition would see layers that differ). A constant's nodes go only if nothing outside
+    them reads them, they reach no output, and every in-place write among them writes one of them.
+    """
+    order = {node: index for index, node in enumerate(graph.nodes)}
+    for constant in constants:
+        reached, stack = {constant}, [constant]
+        while stack:
+            for user in stack.pop().users:
+                if user not in reached:
+                    reached.add(user)
+                    stack.append(user)
+        derived = sorted(reached - {constant}, key=order.__getitem__)
+        if not derived or any(node.op != "call_function" for node in derived):
+            continue  # unread (the caller drops its placeholder), or it reaches the output
+        if any(arg not in reached for node in derived for arg in _written_arguments(node)):
+            continue
+        for node in reversed(derived):
+            graph.erase_node(node)
 
 
 @dataclasses.dataclass
@@ -153,6 +194,7 @@ class Program:
         ranges = _user_input_ranges(exported, [n for n, i in zip(placeholders, inputs) if i.kind == "user"])
         module_names, module_types = _module_tables(model)
         gm = exported.graph_module
+        _drop_unread_constants(gm.graph, [node for node, spec in zip(placeholders, inputs) if spec.kind == "constant"])
         gm.graph.eliminate_dead_code()
         # Tied weights (lm_head = embeddings) are lifted under both names with one of them
         # unused; keep the graph's inputs to the weights it reads.
@@ -454,11 +496,19 @@ def target_name(target) -> str:
     return name
 
 
+# Frames of wrappers between the modeling code and the op: from transformers 5.25 the mixers call
+# their scan and conv functions through the `kernels` package's layers, and the recorded stack
+# ends in the wrapper's forward; the modeling file's call is the line to show.
+_WRAPPER_FRAMES = (f"{os.sep}kernels{os.sep}_internals{os.sep}",)
+
+
 def source_line(node: torch.fx.Node) -> str:
-    """The model source line a node was traced from (the innermost frame of its stack trace)."""
+    """The model source line a node was traced from (the innermost frame of its stack trace
+    outside wrappers)."""
     trace = node.meta.get("stack_trace") or ""
     lines = [l.strip() for l in trace.strip().splitlines() if l.strip().startswith("File")]
-    return lines[-1] if lines else "(no source line recorded)"
+    own = [l for l in lines if not any(w in l for w in _WRAPPER_FRAMES)]
+    return (own or lines or ["(no source line recorded)"])[-1]
 
 
 def _module_tables(model):

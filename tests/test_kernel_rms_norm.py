@@ -7,12 +7,16 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.mamba.modeling_mamba import MambaRMSNorm
-from transformers.models.mamba2.modeling_mamba2 import Mamba2RMSNorm, MambaRMSNormGated
+from transformers.models.mamba2 import modeling_mamba2
+from transformers.models.mamba2.modeling_mamba2 import Mamba2RMSNorm
 from transformers.models.zamba2.modeling_zamba2 import Zamba2RMSNorm
 
 import ssmshard.ops  # noqa: F401  (registers torch.ops.ssmshard)
 from ssmshard.kernels import rms_norm as kernel
 from ssmshard.testing import rel_err
+
+# transformers 5.25 renamed Mamba-2's gated norm (MambaRMSNormGated -> Mamba2RMSNormGated).
+Mamba2GatedNorm = getattr(modeling_mamba2, "Mamba2RMSNormGated", None) or modeling_mamba2.MambaRMSNormGated
 
 ssm = torch.ops.ssmshard
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels' tests: Triton's interpreter on the CPU
@@ -76,10 +80,10 @@ def test_add_reference_is_mambas_block_bit_for_bit(dtype, fresh_seed):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gated_reference_is_hf_gated_norm_bit_for_bit(dtype, fresh_seed):
     d = 96
-    if "group_size" in inspect.signature(MambaRMSNormGated).parameters:
-        group, module = 32, MambaRMSNormGated(d, group_size=32, eps=EPS).to(dtype)
+    if "group_size" in inspect.signature(Mamba2GatedNorm).parameters:
+        group, module = 32, Mamba2GatedNorm(d, group_size=32, eps=EPS).to(dtype)
     else:  # transformers before the grouped norm: one group of all channels
-        group, module = d, MambaRMSNormGated(d, eps=EPS).to(dtype)
+        group, module = d, Mamba2GatedNorm(d, eps=EPS).to(dtype)
     with torch.no_grad():
         module.weight.copy_(_weight(d, dtype))
     x, gate = torch.randn(2, 3, d).to(dtype), torch.randn(2, 3, d).to(dtype)

@@ -101,6 +101,15 @@ _HF_VALUES = {"chunk_size": 4, "dt_limit": (0.0, 2.0), "activation": "silu", "de
               "dt_softplus": True, "return_last_state": True, "return_final_states": True}
 
 
+def _plain_function(hf_object):
+    """HF's function itself: from transformers 5.25 the modeling module's name is a `kernels` hub
+    wrapper, an nn.Module whose forward takes (*args, **kwargs) and calls the function."""
+    if not isinstance(hf_object, torch.nn.Module):
+        return hf_object
+    forward = type(hf_object).forward
+    return dict(zip(forward.__code__.co_freevars, forward.__closure__))["func"].cell_contents
+
+
 def _hf_calls():
     """(family, HF function name, its signature) for every shimmed function HF's modules call."""
     calls = {}
@@ -108,8 +117,8 @@ def _hf_calls():
         module = importlib.import_module(family.modeling_module)
         for hf_name, shim in hf_shims.SHIMS.items():
             if shim is not hf_shims.fused_path_unavailable and callable(getattr(module, hf_name, None)):
-                calls[(hf_name, str(inspect.signature(getattr(module, hf_name))))] = (
-                    family.name, hf_name, inspect.signature(getattr(module, hf_name)))
+                signature = inspect.signature(_plain_function(getattr(module, hf_name)))
+                calls[(hf_name, str(signature))] = (family.name, hf_name, signature)
     return sorted(calls.values(), key=lambda c: c[:2])
 
 

@@ -11,20 +11,32 @@
   key/value head i // n_rep either way), but key/value heads stay a plain tensor dim, so
   sharding them never has to look through the expand/reshape.
 
-Both are semantics-preserving local rewrites, registered without fake re-propagation (the
+* ``whole_tensor_splits``: from transformers 5.25 the scan wrappers split off the last tokens
+  whose states a recording cache keeps, ``tensor_split(x, [L - k], dim)``, and capture has
+  ``k = 0``: the first piece is ``x`` and the empty second one is unused. ``x`` itself takes its
+  place, so no sharding rule has to split a sharded dim (the sequence dim, under TSP).
+
+* ``clones_copied_back``: from transformers 5.25 the decode step clones a recurrent state,
+  updates the clone in place and copies it back into the cache's tensor (``x' = clone(x); op
+  writes x'; copy_(x, x')``). Where nothing else touches ``x`` in between, the update writes
+  ``x`` itself, the form earlier releases trace and ``inplace_decode_states`` expects.
+
+All are semantics-preserving local rewrites, registered without fake re-propagation (the
 capture of a 64-layer model would pay for it twice); the sharding passes re-propagate later.
 """
 
 from __future__ import annotations
 
+import operator
 import sys
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .manager import register
+from .shard.context import data_readers, writes_first_argument
 
 aten = torch.ops.aten
-CANONICAL_PASSES = ("drop_tensor_asserts", "pad_as_cat", "gqa_attention")
 
 
 @register("drop_tensor_asserts", repropagate=False)
@@ -111,4 +123,59 @@ def gqa_attention(program, ctx):
         node.args = (node.args[0], key, value, *node.args[3:])
         node.kwargs = {**node.kwargs, "enable_gqa": True}
     graph.eliminate_dead_code()
+    return program
+
+
+@register("whole_tensor_splits", repropagate=False)
+def whole_tensor_splits(program, ctx):
+    graph = program.graph
+    for node in list(graph.nodes):
+        if node.target is not aten.tensor_split.indices or len(node.args[1]) != 1:
+            continue
+        x, (index,) = node.args[0], node.args[1]
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+        if not statically_known_true(_value(index) == x.meta["val"].size(dim)):
+            continue
+        pieces = list(node.users)
+        if any(piece.target is not operator.getitem or (piece.args[1] != 0 and piece.users) for piece in pieces):
+            continue  # the empty piece is read, or the pieces are used as a list
+        for piece in pieces:
+            piece.replace_all_uses_with(x)
+            graph.erase_node(piece)
+        graph.erase_node(node)
+    return program
+
+
+def _clone_under_writes(value):
+    """``(clone, writes)`` if ``value`` is a ``clone`` node after in-place ``writes``, else None."""
+    writes = []
+    while isinstance(value, torch.fx.Node) and writes_first_argument(value):
+        writes.append(value)
+        value = value.args[0]
+    if isinstance(value, torch.fx.Node) and value.target is aten.clone.default:
+        return value, writes
+    return None
+
+
+@register("clones_copied_back", repropagate=False)
+def clones_copied_back(program, ctx):
+    graph = program.graph
+    order = {node: index for index, node in enumerate(graph.nodes)}
+    for copy in list(graph.nodes):
+        if copy.target is not aten.copy_.default or len(copy.args) != 2 or copy.kwargs:
+            continue
+        x, value = copy.args
+        found = _clone_under_writes(value)
+        if found is None or found[0].args[0] is not x:
+            continue
+        clone, writes = found
+        between = range(order[clone] + 1, order[copy])
+        if any(order[reader] in between for reader in data_readers(x) if reader is not copy):
+            continue  # x is read or written while the clone is updated
+        if any(order[user] > order[copy] for node in (clone, *writes) for user in node.users):
+            continue  # the clone is read after the copy, where it would now see x's later writes
+        clone.replace_all_uses_with(x)
+        graph.erase_node(clone)
+        copy.replace_all_uses_with(value)
+        graph.erase_node(copy)
     return program

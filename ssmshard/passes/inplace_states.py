@@ -30,7 +30,7 @@ import torch
 from ..ops import SIGNATURES
 from .manager import register
 from .kernel_ops import opaque_state_writer
-from .shard.context import data_readers  # shape queries do not see a state change
+from .shard.context import data_readers, writes_first_argument  # readers: shape queries do not see a state change
 from .swap_kernels import KERNEL_OPS, KERNELS, _on_gpu
 
 _CLONE = torch.ops.aten.clone.default
@@ -115,20 +115,11 @@ def _write_in_op(copy: torch.fx.Node, placeholder: torch.fx.Node) -> bool:
     return True
 
 
-def _writes_first_argument(node: torch.fx.Node) -> bool:
-    """Whether ``node`` is an in-place op mutating (and returning) its first argument."""
-    schema = getattr(node.target, "_schema", None)
-    if node.op != "call_function" or schema is None or not schema.arguments or not schema.returns:
-        return False
-    first, result = schema.arguments[0].alias_info, schema.returns[0].alias_info
-    return first is not None and first.is_write and result is not None and result.is_write
-
-
 def _mutated_clone(value) -> torch.fx.Node | None:
     """The ``clone`` node that ``value`` (a returned state) is, after in-place updates; else None."""
     if not isinstance(value, torch.fx.Node):
         return None
-    while _writes_first_argument(value):
+    while writes_first_argument(value):
         value = value.args[0]
     return value if value.op == "call_function" and value.target is _CLONE else None
 

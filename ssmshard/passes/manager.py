@@ -195,7 +195,9 @@ def regenerate_code(program) -> None:
 
 
 # What capture runs on every program it makes (a sibling capture included): not replayed.
-CAPTURE_PASSES = ("drop_tensor_asserts", "pad_as_cat", "gqa_attention", "causal_attention", "tag")
+CAPTURE_PASSES = (
+    "drop_tensor_asserts", "pad_as_cat", "gqa_attention", "whole_tensor_splits", "clones_copied_back",
+    "causal_attention", "tag")
 
 
 def replay(program, history):

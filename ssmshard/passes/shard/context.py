@@ -82,6 +82,15 @@ def data_readers(node) -> list:
     return [u for u in node.users if u.target not in _SHAPE_QUERIES]
 
 
+def writes_first_argument(node) -> bool:
+    """Whether ``node`` is an in-place op mutating (and returning) its first argument."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None or not schema.arguments or not schema.returns:
+        return False
+    first, result = schema.arguments[0].alias_info, schema.returns[0].alias_info
+    return first is not None and first.is_write and result is not None and result.is_write
+
+
 def returns_view(node) -> bool:
     """Whether ``node``'s output may share its first argument's memory without writing it (a view,
     or a cast that may return its input): what its op's schema declares."""
