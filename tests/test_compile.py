@@ -33,11 +33,17 @@ def _compiled(world, family, seed, tmp_path, device="cpu"):
     return json.loads(out.read_text())
 
 
-def _check(result, where, gradients):
+# On a GPU the gradients come from the Triton backward kernels, whose float32 gradients are
+# checked to 3e-5 of HF's (tests/test_kernel_ssd_scan.py: chunked sums in another order); the
+# compiled Zamba2 gradient measured 1.16e-5 for one seed (1385606979) on an H200, with transformers 5.17.
+GPU_GRAD_TOL = 3e-5
+
+
+def _check(result, where, gradients, grad_tol=1e-5):
     assert result["logits_err"] < 1e-5 and result["longer_err"] < 1e-5, (where, result["logits_err"], result["longer_err"])
     if gradients:
         assert not result["no_grad"], (where, result["no_grad"])
-        assert result["grad_err"] < 1e-5, (where, result["grad_err"])
+        assert result["grad_err"] < grad_tol, (where, result["grad_err"])
     assert result["ours"] == result["hf"], where
     assert result["chunked"] == result["ours"], where
     check_finishing_rows(result["finishing"], where)
@@ -68,7 +74,7 @@ def test_compiled_graphed_decode_on_a_gpu_equals_hf(family, tmp_path, fresh_seed
     """On a GPU: the SSM kernels as opaque ops in the compiled graphs, the compiled decode step
     captured as a CUDA graph (attention families over static key/value buffers)."""
     result = _compiled(1, family, fresh_seed, tmp_path, "cuda")
-    _check(result, f"{family} tp=1 on a GPU (seed {fresh_seed})", gradients=True)
+    _check(result, f"{family} tp=1 on a GPU (seed {fresh_seed})", gradients=True, grad_tol=GPU_GRAD_TOL)
     assert result["graphed"], family
 
 
