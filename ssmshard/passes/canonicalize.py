@@ -34,7 +34,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .manager import register
-from .shard.context import data_readers, writes_first_argument
+from .shard.context import clone_under_writes, data_readers
 
 aten = torch.ops.aten
 
@@ -146,17 +146,6 @@ def whole_tensor_splits(program, ctx):
     return program
 
 
-def _clone_under_writes(value):
-    """``(clone, writes)`` if ``value`` is a ``clone`` node after in-place ``writes``, else None."""
-    writes = []
-    while isinstance(value, torch.fx.Node) and writes_first_argument(value):
-        writes.append(value)
-        value = value.args[0]
-    if isinstance(value, torch.fx.Node) and value.target is aten.clone.default:
-        return value, writes
-    return None
-
-
 @register("clones_copied_back", repropagate=False)
 def clones_copied_back(program, ctx):
     graph = program.graph
@@ -165,7 +154,7 @@ def clones_copied_back(program, ctx):
         if copy.target is not aten.copy_.default or len(copy.args) != 2 or copy.kwargs:
             continue
         x, value = copy.args
-        found = _clone_under_writes(value)
+        found = clone_under_writes(value)
         if found is None or found[0].args[0] is not x:
             continue
         clone, writes = found

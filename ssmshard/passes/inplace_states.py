@@ -30,10 +30,9 @@ import torch
 from ..ops import SIGNATURES
 from .manager import register
 from .kernel_ops import opaque_state_writer
-from .shard.context import data_readers, writes_first_argument  # readers: shape queries do not see a state change
+from .shard.context import clone_under_writes, data_readers  # readers: shape queries do not see a state change
 from .swap_kernels import KERNEL_OPS, KERNELS, _on_gpu
 
-_CLONE = torch.ops.aten.clone.default
 _COPY = torch.ops.aten.copy_.default
 ssm = torch.ops.ssmshard
 
@@ -117,11 +116,8 @@ def _write_in_op(copy: torch.fx.Node, placeholder: torch.fx.Node) -> bool:
 
 def _mutated_clone(value) -> torch.fx.Node | None:
     """The ``clone`` node that ``value`` (a returned state) is, after in-place updates; else None."""
-    if not isinstance(value, torch.fx.Node):
-        return None
-    while writes_first_argument(value):
-        value = value.args[0]
-    return value if value.op == "call_function" and value.target is _CLONE else None
+    found = clone_under_writes(value)
+    return found[0] if found else None
 
 
 def state_placeholders(program) -> list[torch.fx.Node]:

@@ -91,6 +91,18 @@ def writes_first_argument(node) -> bool:
     return first is not None and first.is_write and result is not None and result.is_write
 
 
+def clone_under_writes(value):
+    """``(clone, writes)`` if ``value`` is a ``clone`` node after the in-place ``writes`` (newest
+    first), else None."""
+    writes = []
+    while isinstance(value, torch.fx.Node) and writes_first_argument(value):
+        writes.append(value)
+        value = value.args[0]
+    if isinstance(value, torch.fx.Node) and value.op == "call_function" and value.target is torch.ops.aten.clone.default:
+        return value, writes
+    return None
+
+
 def returns_view(node) -> bool:
     """Whether ``node``'s output may share its first argument's memory without writing it (a view,
     or a cast that may return its input): what its op's schema declares."""
