@@ -1,0 +1,76 @@
+"""Eager forward under ``torch.no_grad`` with the weights bound as views that do not require grad
+(what ``DistributedModule.forward`` does there) against the parameters themselves (what it did
+before), one GPU, random bf16 weights, tp 1, ``Plan(tp=1, training=False)``. With the parameters,
+ATen's matmul copies Mamba-1's transposed ``out_proj`` input and ``dt_proj`` output into rows
+(``eager_copies_probe.py``). Median of 5 forwards (CUDA events) each way, in alternation, and the
+largest logits difference between them; two rounds, the lower median of each way reported. One
+JSON row per model and shape on stdout.
+
+    PYTHONPATH=$PWD python benchmarks/no_grad_views_gpu.py --models mamba-2.8b mamba2-2.7b
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+import ssmshard  # noqa: E402
+from decode_gpu import GPU_MODELS  # noqa: E402
+from generate_gpu import build_random_model  # noqa: E402
+from ssmshard.testing import rel_err  # noqa: E402
+
+
+def timed(fn, repeats=5):
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), out
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", nargs="+", default=["mamba-2.8b"])
+    parser.add_argument("--shapes", nargs="+", default=["8x2048", "1x16384"])
+    args = parser.parse_args()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29556")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    for name in args.models:
+        config = GPU_MODELS[name]()
+        model = build_random_model(config, "cuda", torch.bfloat16)
+        dm = ssmshard.parallelize(model, ssmshard.Plan(tp=1, training=False))
+
+        def with_parameters(ids):
+            dm._bound(dm.program)  # the parameters, requiring grad
+            return dm.program(ids)
+
+        for shape in args.shapes:
+            batch, length = map(int, shape.split("x"))
+            ids = torch.randint(0, config.vocab_size, (batch, length), device="cuda")
+            with torch.no_grad():
+                dm(ids), with_parameters(ids)  # warm-up: kernels compiled, autotuned
+                views, params = [], []
+                for _ in range(2):
+                    views.append(timed(lambda: dm(ids)))
+                    params.append(timed(lambda: with_parameters(ids)))
+            row = dict(model=name, batch=batch, length=length, device=torch.cuda.get_device_name(),
+                       torch=torch.__version__,
+                       views_ms=round(min(t for t, _ in views), 2), parameters_ms=round(min(t for t, _ in params), 2),
+                       logits_rel_diff=rel_err(views[-1][1].float(), params[-1][1].float()))
+            print(json.dumps(row), flush=True)
+        del dm, model
+        torch.cuda.empty_cache()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
