@@ -4,6 +4,8 @@ input and computes ``dt_proj``'s transposed output in place instead of copying t
 with grad enabled, the same module still gives the weights their gradients. Checked against
 Hugging Face eager on a tiny Mamba (CPU: the matmul's choice is the same on every device)."""
 
+import copy
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -61,3 +63,23 @@ def test_no_grad_forward_reads_transposed_matmul_operands_in_place(fresh_seed):
     for fqn, hf_grad in zip(names, hf_grads):
         grad = dm.local_weight(fqn).grad
         assert grad is not None and rel_err(grad, hf_grad) < 1e-5, (fqn, fresh_seed)
+
+
+def test_no_grad_forward_reads_weights_given_new_data(fresh_seed):
+    """``module.to()`` and ``param.data = ...`` keep the parameter object and replace its data:
+    the next no-grad forward reads the new data, not a view of the old."""
+    torch.manual_seed(fresh_seed)
+    model = small_model("mamba")
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    mesh = ssmshard.SimulatedMesh(model, ssmshard.Plan(tp=1))
+    dm = mesh.ranks[0]
+    fqn = "backbone.layers.0.mixer.out_proj.weight"
+    with torch.no_grad():
+        before = mesh(ids)
+        dm.local_weight(fqn).data = torch.randn_like(dm.local_weight(fqn))
+        after = mesh(ids)
+        changed = copy.deepcopy(model)
+        changed.get_parameter(fqn).copy_(dm.local_weight(fqn))
+        expected = changed(ids).logits
+    assert rel_err(after, before) > 1e-3
+    assert rel_err(after, expected) < 1e-5, fresh_seed

@@ -275,12 +275,14 @@ class DistributedModule(torch.nn.Module):
         return program
 
     def _view_without_grad(self, fqn, weight):
-        # One view per weight object, kept while that weight is: programs that check their
-        # weights by identity (a CUDA-graphed step) see the same tensor call after call.
+        # One view per weight, kept while the weight and its data are the same: programs that
+        # check their weights by identity see the same tensor call after call. The data is
+        # compared too: ``module.to()`` and ``.data =`` give a parameter new data in place of the
+        # old, which a view taken before would go on reading.
         if not weight.requires_grad:
             return weight
         held = self._views_without_grad.get(fqn)
-        if held is None or held[0] is not weight:
+        if held is None or held[0] is not weight or not _same_data(held[1], weight):
             held = self._views_without_grad[fqn] = (weight, weight.detach())
         return held[1]
 
@@ -525,6 +527,11 @@ def check_backend_carries(group, device) -> None:
                          "(model.to('cuda:<local rank>')), or start the group with gloo "
                          "(ssmshard.launch(..., backend='gloo'), dist.init_process_group('gloo'); a group started "
                          "without a backend on a machine with a GPU has NCCL only)")
+
+
+def _same_data(view: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (view.data_ptr() == weight.data_ptr() and view.device == weight.device and view.dtype == weight.dtype
+            and view.shape == weight.shape and view.stride() == weight.stride())
 
 
 def local_weights(program, placements, model, rank: int, permutations=None, lifted: bool = True) -> dict:
