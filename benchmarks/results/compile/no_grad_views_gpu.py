@@ -6,7 +6,7 @@ ATen's matmul copies Mamba-1's transposed ``out_proj`` input and ``dt_proj`` out
 largest logits difference between them; two rounds, the lower median of each way reported. One
 JSON row per model and shape on stdout.
 
-    PYTHONPATH=$PWD python benchmarks/no_grad_views_gpu.py --models mamba-2.8b mamba2-2.7b
+    PYTHONPATH=$PWD python benchmarks/results/compile/no_grad_views_gpu.py --models mamba-2.8b mamba2-2.7b
 """
 import argparse
 import json
@@ -17,7 +17,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))  # benchmarks/
 import ssmshard  # noqa: E402
 from decode_gpu import GPU_MODELS  # noqa: E402
 from generate_gpu import build_random_model  # noqa: E402

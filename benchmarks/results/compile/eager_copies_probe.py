@@ -9,7 +9,7 @@ result (a dispatch mode: ops inside ssmshard's custom kernels are not listed), t
 profiler's table grouped by input shape. The copies are the ``clone`` rows whose result strides
 differ from their input's.
 
-    PYTHONPATH=$PWD python benchmarks/eager_copies_probe.py
+    PYTHONPATH=$PWD python benchmarks/results/compile/eager_copies_probe.py
 """
 import os
 import sys
@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))  # benchmarks/
 import ssmshard  # noqa: E402
 from decode_gpu import GPU_MODELS  # noqa: E402
 from generate_gpu import build_random_model  # noqa: E402

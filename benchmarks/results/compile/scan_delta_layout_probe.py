@@ -6,7 +6,7 @@ eager program (u and z channel-contiguous views), float32 output; also u and z
 token-contiguous, and the copy as Inductor generates it. Median ms of
 ``triton.testing.do_bench``; the two outputs compared.
 
-    PYTHONPATH=$PWD python benchmarks/scan_delta_layout_probe.py
+    PYTHONPATH=$PWD python benchmarks/results/compile/scan_delta_layout_probe.py
 """
 import torch
 from triton.testing import do_bench
