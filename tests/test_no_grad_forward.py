@@ -16,23 +16,37 @@ from conftest import small_model
 
 
 class _Copies(TorchDispatchMode):
-    """Counts the layout copies an op sequence makes (``clone`` and ``contiguous``'s copies)."""
+    """Counts the transposing copies an op sequence makes (``clone`` and ``copy_`` of a source
+    whose last dimension is not contiguous: the matmul operands' copies, not the state cache's),
+    and takes the weights ``program`` reads while it runs (``program.weights`` at its first
+    embedding lookup: a no-grad call binds views only for its duration)."""
 
-    def __init__(self):
+    def __init__(self, program=None):
         super().__init__()
         self.count = 0
+        self.program = program
+        self.bound = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in (torch.ops.aten.clone.default, torch.ops.aten.copy_.default):
+        if self.bound is None and self.program is not None and func is torch.ops.aten.embedding.default:
+            self.bound = dict(self.program.weights)
+        source = {torch.ops.aten.clone.default: 0, torch.ops.aten.copy_.default: 1}.get(func)
+        if source is not None and args[source].dim() > 1 and args[source].stride(-1) != 1:
             self.count += 1
         return func(*args, **(kwargs or {}))
 
 
 def _forward(dm, ids):
-    copies = _Copies()
+    copies = _Copies(dm.program)
     with copies:
         logits = dm(ids)
-    return logits, copies.count, dict(dm.program.weights)
+    return logits, copies.count, copies.bound
+
+
+def _reads_the_parameters(dm, program) -> bool:
+    """Whether ``program`` is bound to ``dm``'s parameters themselves (what a caller holding it
+    differentiates through)."""
+    return all(program.weights[fqn] is dm.local_weight(fqn) for fqn in dm._names if fqn in program.weights)
 
 
 def test_no_grad_forward_reads_transposed_matmul_operands_in_place(fresh_seed):
@@ -45,10 +59,13 @@ def test_no_grad_forward_reads_transposed_matmul_operands_in_place(fresh_seed):
         logits, copies, bound = mesh.run(_forward, ids)[0]
         again = mesh.run(_forward, ids)[0][2]
     assert rel_err(logits, expected) < 1e-5, fresh_seed
-    assert copies == 0, f"{copies} layout copies in a no-grad forward (seed {fresh_seed})"
+    assert copies == 0, f"{copies} transposing copies in a no-grad forward (seed {fresh_seed})"
     assert not any(w.requires_grad for w in bound.values())
     # The same view objects call after call: programs that check weights by identity keep them.
     assert all(again[fqn] is w for fqn, w in bound.items())
+    # After the call the program reads the parameters again: a caller holding ``dm.program``
+    # differentiates through it.
+    assert mesh.run(lambda dm: _reads_the_parameters(dm, dm.program)) == [True]
 
     # With grad enabled the program reads the parameters themselves: ATen copies the transposed
     # operands again (what the views avoid), and the gradients reach the weights.
@@ -83,3 +100,41 @@ def test_no_grad_forward_reads_weights_given_new_data(fresh_seed):
         expected = changed(ids).logits
     assert rel_err(after, before) > 1e-3
     assert rel_err(after, expected) < 1e-5, fresh_seed
+
+
+def _prefill_and_generate(dm, ids, chunk_size):
+    """Transposing copies made by a chunked prefill and by a chunked generate of one token (its
+    prefill alone), the weights the prefill program read, the prefill's logits, the tokens of a
+    longer generate, and whether the prefill and chunk programs read the parameters afterwards."""
+    def first_token():
+        return dm.generate(ids, max_new_tokens=1, do_sample=False, prefill_chunk_size=chunk_size)
+
+    dm.prefill(ids, chunk_size=chunk_size), first_token()  # the first calls propagate shapes on fake tensors
+    prefill, generate = _Copies(dm.prefill_program()), _Copies()
+    with prefill:
+        logits, _ = dm.prefill(ids, chunk_size=chunk_size)
+    with generate:
+        first_token()
+    tokens = dm.generate(ids, max_new_tokens=4, do_sample=False, prefill_chunk_size=chunk_size)
+    restored = _reads_the_parameters(dm, dm._generation["prefill"]) and _reads_the_parameters(
+        dm, dm._generation["chunk"])
+    return logits, tokens, prefill.count + generate.count, prefill.bound, restored
+
+
+def test_prefill_and_generate_read_weights_without_grad(fresh_seed):
+    """``prefill`` and ``generate`` run their prefill and chunk programs over the no-grad views
+    too (the same transposed matmul operands, read in place), with HF's logits and tokens, and
+    leave the programs reading the parameters."""
+    torch.manual_seed(fresh_seed)
+    model = small_model("mamba")
+    ids = torch.randint(1, model.config.vocab_size, (2, 13))
+    mesh = ssmshard.SimulatedMesh(model, ssmshard.Plan(tp=1))
+    logits, tokens, copies, bound, restored = mesh.run(_prefill_and_generate, ids, 5)[0]
+    with torch.no_grad():
+        expected = model(ids).logits[:, -1:]
+        hf_tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+    assert rel_err(logits, expected) < 1e-5, fresh_seed
+    assert torch.equal(tokens, hf_tokens), fresh_seed
+    assert copies == 0, f"{copies} transposing copies in no-grad prefill and generate (seed {fresh_seed})"
+    assert bound and not any(w.requires_grad for w in bound.values())
+    assert restored, "the prefill or chunk program still reads the no-grad views after generation"

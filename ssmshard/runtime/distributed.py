@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import warnings
@@ -136,7 +137,10 @@ class DistributedModule(torch.nn.Module):
                 start += seg.local
 
     def _local_weights(self):
-        return {fqn: getattr(self, name) for fqn, name in self._names.items()}
+        # Read from the module's own dicts: every call of a program binds these, and getattr
+        # through nn.Module.__getattr__ was most of a 64-layer model's binding time.
+        parameters, buffers = self._parameters, self._buffers
+        return {fqn: parameters[name] if name in parameters else buffers[name] for fqn, name in self._names.items()}
 
     def forward(self, input_ids, *, cu_seqlens=None, position_ids=None):
         program = self.program
@@ -145,9 +149,12 @@ class DistributedModule(torch.nn.Module):
                 raise ValueError("this DistributedModule was built without packing and would run packed "
                                  "sequences as one: use ssmshard.parallelize(model, plan, packed=True)")
             program = self.packed_program
-        # Re-bind so parameters replaced by .to()/load_state_dict are the ones used.
-        self._bound(program, without_grad=not torch.is_grad_enabled())
-        return program(input_ids, cu_seqlens=cu_seqlens, position_ids=position_ids)
+        if torch.is_grad_enabled():
+            # Re-bind so parameters replaced by .to()/load_state_dict are the ones used.
+            self._bound(program)
+            return program(input_ids, cu_seqlens=cu_seqlens, position_ids=position_ids)
+        with self._reading_weights_without_grad(program):
+            return program(input_ids, cu_seqlens=cu_seqlens, position_ids=position_ids)
 
     def token_positions(self, length: int, device=None) -> torch.Tensor:
         """The global positions (along the sequence of ``length`` tokens; of a packed row, its
@@ -239,12 +246,12 @@ class DistributedModule(torch.nn.Module):
     def _bound(self, program, without_grad: bool = False):
         """``program`` reading this module's current local weights, its factory ops on their device.
 
-        ``without_grad`` (a forward under ``torch.no_grad``): the program reads views of the weights
-        that do not require grad. ATen's matmul treats a 3-D input whose tokens are not its rows
-        (Mamba's ``out_proj`` input and ``dt_proj`` output, transposed from the scan's layout)
-        differently by whether the weight requires grad: then it copies the input into rows (so
-        that the backward needs no batch-expanded weight gradient), else it reads it in place
-        through a batched GEMM. The copy is ATen's strided elementwise kernel, 0.53-0.56 ms a
+        ``without_grad`` (a call under ``torch.no_grad``, see ``_reading_weights_without_grad``):
+        the program reads views of the weights that do not require grad. ATen's matmul treats a
+        3-D input whose tokens are not its rows (Mamba's ``out_proj`` input and ``dt_proj``
+        output, transposed from the scan's layout) differently by whether the weight requires
+        grad: then it copies the input into rows (so that the backward needs no batch-expanded
+        weight gradient), else it reads it in place through a batched GEMM. The copy is ATen's strided elementwise kernel, 0.53-0.56 ms a
         layer for Mamba-2.8B at 8 x 2048 on an H200 (benchmarks/results/compile/, "Eager
         Mamba-1's transposing copies")."""
         weights = self._local_weights()
@@ -274,6 +281,24 @@ class DistributedModule(torch.nn.Module):
             program.retarget(device)
         return program
 
+    @contextlib.contextmanager
+    def _reading_weights_without_grad(self, *programs):
+        """Inside: ``programs``, run under ``torch.no_grad`` only, read the weights as views that do
+        not require grad (see ``_bound``); on the way out they read the parameters again, so that
+        a caller holding one of them (``dm.program``, ``dm.prefill_program()``) still gets
+        gradients through it. ``None`` (no chunk program) is skipped; a sequence-sharded prefill
+        stands for the program it runs."""
+        from .tsp_prefill import SequenceShardedPrefill
+
+        programs = [p.program if isinstance(p, SequenceShardedPrefill) else p for p in programs if p is not None]
+        for program in programs:
+            self._bound(program, without_grad=True)
+        try:
+            yield
+        finally:
+            for program in programs:
+                self._bound(program)
+
     def _view_without_grad(self, fqn, weight):
         # One view per weight, kept while the weight and its data are the same: programs that
         # check their weights by identity see the same tensor call after call. The data is
@@ -298,10 +323,10 @@ class DistributedModule(torch.nn.Module):
 
         self._check_ids(input_ids)  # before the programs are captured on first use
         prefill_program = self.prefill_program()
+        chunk_program = self._chunk_program_for(input_ids, chunk_size)
         mask, positions = prompt_inputs(input_ids, attention_mask)
-        with torch.no_grad():
-            return prefill(prefill_program, self._chunk_program_for(input_ids, chunk_size), input_ids, mask,
-                           positions, chunk_size)
+        with torch.no_grad(), self._reading_weights_without_grad(prefill_program, chunk_program):
+            return prefill(prefill_program, chunk_program, input_ids, mask, positions, chunk_size)
 
     def generate(self, input_ids, attention_mask=None, *, cuda_graph="auto", static_kv="auto", device_loop="auto",
                  generator=None, **arguments):
@@ -348,10 +373,12 @@ class DistributedModule(torch.nn.Module):
         on_device = uses_device_loop(setup, device_loop)
         prefill = self.prefill_program()
         step = self._decode_step(setup, cuda_graph, static_length)
+        chunk_program = self._chunk_program_for(setup.input_ids, setup.prefill_chunk_size)
         self.last_generation_loop = "device" if on_device else "host"
-        return run_generation(prefill, step, setup, group=_group_of(self._layout), generator=generator,
-                              chunk_program=self._chunk_program_for(setup.input_ids, setup.prefill_chunk_size),
-                              device_loop=on_device)
+        # The decode step keeps the parameters: its CUDA graph checks the weights it captured by identity.
+        with self._reading_weights_without_grad(prefill, chunk_program):
+            return run_generation(prefill, step, setup, group=_group_of(self._layout), generator=generator,
+                                  chunk_program=chunk_program, device_loop=on_device)
 
     def _check_ids(self, input_ids):
         from ..inputs import check_input_ids
@@ -530,8 +557,8 @@ def check_backend_carries(group, device) -> None:
 
 
 def _same_data(view: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (view.data_ptr() == weight.data_ptr() and view.device == weight.device and view.dtype == weight.dtype
-            and view.shape == weight.shape and view.stride() == weight.stride())
+    # is_set_to: the same storage, offset, sizes and strides (one call; the storage fixes the device).
+    return view.is_set_to(weight) and view.dtype is weight.dtype
 
 
 def local_weights(program, placements, model, rank: int, permutations=None, lifted: bool = True) -> dict:
