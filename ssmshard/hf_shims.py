@@ -149,7 +149,7 @@ def mamba_selective_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=
     initial_state = None if queue is None else queue.next_for(hidden_states)
     out, last_state = _ssm.selective_scan(u=hidden_states, delta=dt, A=A, B=B, C=C, D=D, z=z, delta_bias=delta_bias,
                                           delta_softplus=bool(delta_softplus), initial_state=initial_state,
-                                          cu_seqlens=cu_seqlens)
+                                          cu_seqlens=cu_seqlens, out_dtype=None, final_state=True)
     return (out, last_state) if return_last_state else out
 
 

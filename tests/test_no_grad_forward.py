@@ -46,7 +46,8 @@ def _forward(dm, ids):
 def _reads_the_parameters(dm, program) -> bool:
     """Whether ``program`` is bound to ``dm``'s parameters themselves (what a caller holding it
     differentiates through)."""
-    return all(program.weights[fqn] is dm.local_weight(fqn) for fqn in dm._names if fqn in program.weights)
+    names = [fqn for fqn in dm._names if fqn in program.weights]
+    return bool(names) and all(program.weights[fqn] is dm.local_weight(fqn) for fqn in names)
 
 
 def test_no_grad_forward_reads_transposed_matmul_operands_in_place(fresh_seed):

@@ -78,6 +78,10 @@ def test_kernel_adapters_hand_every_argument_to_their_triton_entry_point(target,
     for arg_name, value in SIGNATURES[name].bind(args, {}).items():
         if arg_name in ("dt_min", "dt_max"):  # the kernel takes them as one dt_limit pair
             assert passed["dt_limit"][("dt_min", "dt_max").index(arg_name)] == value
+        elif arg_name == "out_dtype":  # the op's None is float32
+            assert passed[arg_name] is (value or torch.float32)
+        elif arg_name == "final_state":  # the kernel's name for it
+            assert passed["return_final_state"] is value
         else:
             assert passed[arg_name] is value, arg_name
 

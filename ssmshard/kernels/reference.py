@@ -86,13 +86,15 @@ def _auto_scan_chunk(elements_per_step: int) -> int:
 def selective_scan(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor] = None,
                    z: Optional[Tensor] = None, delta_bias: Optional[Tensor] = None,
                    delta_softplus: bool = False, initial_state: Optional[Tensor] = None,
-                   cu_seqlens: Optional[Tensor] = None,
-                   chunk_size: Optional[int] = None) -> tuple[Tensor, Tensor]:
+                   cu_seqlens: Optional[Tensor] = None, out_dtype: Optional[torch.dtype] = None,
+                   final_state: bool = True, chunk_size: Optional[int] = None) -> tuple[Tensor, Tensor]:
     """Mamba-1 selective scan (layouts of mamba_ssm's ``selective_scan_fn``).
 
     u, delta, z: (b, d, l); A: (d, n); B, C: (b, n, l) or (b, g, n, l);
     D, delta_bias: (d,); initial_state: (b, d, n) or None; cu_seqlens: (S+1,) or None (then b == 1).
-    Returns (out (b, d, l), final_state (b, d, n)), both float32.
+    Returns (out (b, d, l), final_state (b, d, n)), float32; out computed in float32 and rounded
+    to ``out_dtype`` when one is given; with ``final_state=False`` an empty (b, d, 0) tensor in
+    the state's place (the op's contract: the Triton kernel then skips it).
     ``chunk_size`` (not part of the op) fixes the chunk length; by default it
     is chosen to bound memory.
     """
@@ -166,7 +168,8 @@ def selective_scan(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D:
         y = y + D.float()[:, None] * u32
     if z is not None:
         y = y * F.silu(z.float())
-    return y.contiguous(), state.reshape(bsz, d, n).contiguous()
+    state = state.reshape(bsz, d, n) if final_state else state.new_empty(bsz, d, 0)
+    return y.to(out_dtype or torch.float32).contiguous(), state.contiguous()
 
 
 def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int,

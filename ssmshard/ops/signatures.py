@@ -73,9 +73,12 @@ SIGNATURES: dict[str, OpSignature] = {s.name: s for s in [
     OpSignature(
         "selective_scan",
         "(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? z, Tensor? delta_bias, "
-        "bool delta_softplus, Tensor? initial_state, Tensor? cu_seqlens=None) -> (Tensor, Tensor)",
+        "bool delta_softplus, Tensor? initial_state, Tensor? cu_seqlens=None, ScalarType? out_dtype=None, "
+        "bool final_state=True) -> (Tensor, Tensor)",
         "Mamba-1 scan. u, delta, z: (b, d, l); A: (d, n); B, C: (b, n, l) or (b, g, n, l); D, delta_bias: "
-        "(d,); initial_state: (b, d, n). Returns out (b, d, l) and the final state (b, d, n), float32."),
+        "(d,); initial_state: (b, d, n). Returns out (b, d, l) in out_dtype (float32 when None) and the "
+        "final state (b, d, n), float32; with final_state=False an empty (b, d, 0) in its place, not "
+        "computed. The ``scan_outputs`` pass sets both from what the graph reads."),
     OpSignature(
         "ssd_scan",
         "(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, SymInt chunk_size, Tensor? D, Tensor? dt_bias, "

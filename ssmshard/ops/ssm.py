@@ -155,11 +155,13 @@ def _check_packed_fake(cu_seqlens, batch, initial_state=None):
                          "initial states are not supported with packing")
 
 
-# Scans return float32 always: the eager fallbacks they replace produce float32.
-def _selective_scan_fake(u, A, initial_state, cu_seqlens, **_):
+# Scans return float32 (the eager fallbacks they replace produce float32); Mamba-1's output in
+# out_dtype and its final state left out where the graph says so (``scan_outputs``).
+def _selective_scan_fake(u, A, initial_state, cu_seqlens, out_dtype=None, final_state=True, **_):
     _check_packed_fake(cu_seqlens, u.shape[0], initial_state)
     bsz, d, _ = u.shape
-    return u.new_empty(u.shape, dtype=torch.float32), u.new_empty((bsz, d, A.shape[-1]), dtype=torch.float32)
+    return (u.new_empty(u.shape, dtype=out_dtype or torch.float32),
+            u.new_empty((bsz, d, A.shape[-1] if final_state else 0), dtype=torch.float32))
 
 
 def _ssd_scan_fake(x, B, initial_states, cu_seqlens, **_):

@@ -1,0 +1,134 @@
+"""The Mamba-1 scan kernel alone writing float32 and bf16 y (what the ``scan_outputs`` pass
+changes), at the Mamba-2.8B mixer's width (d=5120, N=16); median ms of
+``triton.testing.do_bench``. Without arguments: stand-in tensors laid out as in the eager
+program, for the default config and two other tiles (the parallel kernel's 8-token tiles, the
+sequential kernel), and the count of shared-memory layout conversions (``local_alloc``) in each
+compiled kernel's TTGIR. ``--in-program``: the tensors the eager Mamba-2.8B forward hands its
+first scan (recorded from the kernel adapter's call), with its values and with each input
+replaced by random values in the same layout, without the final state, and under register caps.
+
+    PYTHONPATH=$PWD python benchmarks/results/compile/scan_outputs_probe.py                 # scan_outputs_probe.log
+    PYTHONPATH=$PWD python benchmarks/results/compile/scan_outputs_probe.py --in-program    # scan_outputs_in_program.log
+"""
+import dataclasses
+
+import torch
+from triton.testing import do_bench
+
+from ssmshard.kernels import selective_scan as scan_module
+from ssmshard.kernels.selective_scan import default_config, selective_scan
+
+D, N = 5120, 16
+
+
+def inputs(b, l):
+    dev, bf16 = "cuda", torch.bfloat16
+    xz = torch.randn(b, l, 2 * D, device=dev, dtype=bf16).transpose(1, 2)  # in_proj's output
+    u = torch.randn(b, l, D, device=dev, dtype=bf16).transpose(1, 2)  # stand-in for the conv's output layout
+    z = xz[:, D:]
+    bc = torch.randn(b, l, 2 * N, device=dev, dtype=bf16).transpose(1, 2)
+    delta = (torch.randn(b, l, D, device=dev, dtype=bf16) * 0.5).transpose(1, 2).contiguous()
+    return dict(u=u, delta=delta, A=-torch.rand(D, N, device=dev).exp(), B=bc[:, :N], C=bc[:, N:],
+                D=torch.randn(D, device=dev), z=z, delta_bias=torch.randn(D, device=dev) * 0.1)
+
+
+def shared_memory_conversions():
+    """{kernel name: local_alloc count in TTGIR} of every compiled variant so far."""
+    counts = {}
+    for kernel in (scan_module.scan_fwd_kernel, scan_module.scan_fwd_parallel_kernel):
+        for device_cache in kernel.device_caches.values():
+            for key, compiled in device_cache[0].items():
+                ttgir = compiled.asm.get("ttgir", "")
+                counts[f"{kernel.fn.__name__}:{hash(key) % 10000}"] = ttgir.count("local_alloc")
+    return counts
+
+
+def main():
+    torch.manual_seed(0)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; d={D} n={N}")
+    for b, l in ((8, 2048), (1, 16384)):
+        a = inputs(b, l)
+        base = default_config(b, D, l, a["u"].device)
+        configs = {"default": base,
+                   "parallel, 8-token tiles": dataclasses.replace(base, par_tokens=8),
+                   "sequential": dataclasses.replace(base, fwd_variant="sequential")}
+        reference = None
+        for name, cfg in configs.items():
+            for out_dtype in (torch.float32, torch.bfloat16):
+                def run():
+                    return selective_scan(**a, delta_softplus=True, out_dtype=out_dtype, config=cfg)
+                y = run()
+                if reference is None:
+                    reference = y.float()
+                err = ((y.float() - reference).abs().max() / reference.abs().max()).item()
+                ms = do_bench(run, return_mode="median")
+                print(f"b={b} l={l} {name:26s} y {str(out_dtype):15s} {ms:7.3f} ms  max rel diff {err:.1e}", flush=True)
+    try:
+        for kernel, count in shared_memory_conversions().items():
+            print(f"{kernel}: local_alloc x{count}")
+    except (AttributeError, KeyError, TypeError, IndexError) as error:  # Triton's cache layout differs by release
+        print(f"TTGIR not read: {type(error).__name__}: {error}")
+
+
+def in_program(b=8, l=2048):
+    """The same comparison on the tensors the eager Mamba-2.8B forward hands its first scan
+    (recorded from the kernel adapter's call), random bf16 weights, and their strides."""
+    import os
+    import sys
+
+    import torch.distributed as dist
+
+    import ssmshard
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))  # benchmarks/
+    from decode_gpu import GPU_MODELS
+    from generate_gpu import build_random_model
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29558")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    config = GPU_MODELS["mamba-2.8b"]()
+    model = build_random_model(config, "cuda", torch.bfloat16)
+    dm = ssmshard.parallelize(model, ssmshard.Plan(tp=1, training=False, skip_passes=["scan_outputs"]))
+    recorded = []
+
+    def recording(*args, **kwargs):
+        recorded.append((args, kwargs))
+        return selective_scan(*args, **kwargs)
+
+    scan_module.selective_scan = recording
+    ids = torch.randint(0, config.vocab_size, (b, l), device="cuda")
+    with torch.no_grad():
+        dm(ids)
+    scan_module.selective_scan = selective_scan
+    args, kwargs = recorded[0]
+    for name, value in kwargs.items():
+        if isinstance(value, torch.Tensor):
+            print(f"  {name}: {tuple(value.shape)} {value.dtype} strides {value.stride()}")
+    def like(t, scale=1.0):  # random values in t's layout (a storage of t's size, viewed as t is)
+        storage = torch.randn(t.untyped_storage().nbytes() // t.element_size(), device=t.device) * scale
+        return storage.to(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+
+    swaps = {"the program's values": {},
+             "no final state": {"return_final_state": False},
+             "u random": {"u": like(kwargs["u"])},
+             "delta random (x 0.5)": {"delta": like(kwargs["delta"], 0.5)},
+             "z random": {"z": like(kwargs["z"])},
+             "B, C random": {"B": like(kwargs["B"]), "C": like(kwargs["C"])}}
+    for maxnreg in (64, 80, 96, 128):
+        swaps[f"maxnreg {maxnreg}"] = {"config": dataclasses.replace(
+            default_config(b, D, l, kwargs["u"].device), par_maxnreg=maxnreg)}
+    for what, swapped in swaps.items():
+        for out_dtype in (torch.float32, torch.bfloat16):
+            options = {**kwargs, **swapped, "out_dtype": out_dtype}
+            with torch.no_grad():
+                ms = do_bench(lambda: selective_scan(*args, **options), return_mode="median")
+            print(f"in the program's layout, b={b} l={l}, {what:22s} y {str(out_dtype):15s}: {ms:.3f} ms", flush=True)
+    for name in ("u", "delta", "z"):
+        t = kwargs[name].float()
+        print(f"  {name}: mean |.| {t.abs().mean().item():.3g}, max |.| {t.abs().max().item():.3g}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    import sys as _sys
+    in_program() if "--in-program" in _sys.argv else main()
