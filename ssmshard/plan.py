@@ -39,7 +39,7 @@ def _state_dtype(value):
 
 
 # Passes a plan runs only to make its programs faster; ``Plan(skip_passes=[...])`` leaves them out.
-OPTIONAL_PASSES = ("fuse_rmsnorm", "scan_outputs", "decode_gemv", "fuse_dt_proj", "group_decode_linears", "fuse_gated_activation",
+OPTIONAL_PASSES = ("fuse_rmsnorm", "scan_outputs", "token_major_in_proj", "decode_gemv", "fuse_dt_proj", "group_decode_linears", "fuse_gated_activation",
                    "fuse_rotary", "fold_cache_positions", "hoist_attention_mask", "inplace_decode_states",
                    "fuse_cache_write", "fuse_gemv_conv", "fold_weights", "decode_attention")
 # What a plan runs only when asked (``Plan(add_passes=[...])``): measured, not faster everywhere.
@@ -292,7 +292,9 @@ class Plan:
         policy, the sync-point passes (``spd``, then ``quantize_sync``), then, when
         ``kernels == "triton"``, ``fuse_rmsnorm`` (generation programs, and forward programs of a plan
         that does not train: each RMSNorm and the residual add before it as one node), ``scan_outputs``
-        (the same programs: Mamba-1's scan writing the dtype its output is cast to), ``decode_gemv``
+        (the same programs: Mamba-1's scan writing the dtype its output is cast to),
+        ``token_major_in_proj`` (the same programs: Mamba-1's ``in_proj`` written token-contiguous
+        for the conv and the scan), ``decode_gemv``
         (decode programs: linear layers on the skinny-matmul op), ``fuse_dt_proj`` (decode programs:
         Mamba-1's dt projection inside the state update), ``group_decode_linears`` (decode programs:
         linear layers reading one input as one op), ``fuse_gated_activation`` (decode programs: a gated
@@ -331,6 +333,7 @@ class Plan:
             if mode != "forward" or not self.training:  # the fused kernel has no backward
                 steps.append(("fuse_rmsnorm", {}))
                 steps.append(("scan_outputs", {}))
+                steps.append(("token_major_in_proj", {}))
             if mode == "decode":
                 steps.append(("decode_gemv", {}))
                 steps.append(("fuse_dt_proj", {}))

@@ -15,7 +15,7 @@ names the pass that broke the graph.
 
 from .manager import (CAPTURE_PASSES, PassContext, PassVerificationError, get, register, registered, replay,
                       run_pipeline, unregister, verify)
-from . import canonicalize, causal_attention, decode_attention, decode_gemv, fold_cache_positions, fold_weights, fuse_cache_write, fuse_dt_proj, fuse_gated_activation, fuse_gemv_conv, fuse_rmsnorm, fuse_rotary, group_decode_linears, hoist_attention_mask, inplace_states, quantize_sync, scan_outputs, shard, spd, swap_kernels, tag, tsp  # noqa: F401  (register the built-in passes)
+from . import canonicalize, causal_attention, decode_attention, decode_gemv, fold_cache_positions, fold_weights, fuse_cache_write, fuse_dt_proj, fuse_gated_activation, fuse_gemv_conv, fuse_rmsnorm, fuse_rotary, group_decode_linears, hoist_attention_mask, inplace_states, quantize_sync, scan_outputs, shard, spd, swap_kernels, tag, token_major_in_proj, tsp  # noqa: F401  (register the built-in passes)
 
 __all__ = ["CAPTURE_PASSES", "PassContext", "PassVerificationError", "get", "register", "registered", "replay", "run_pipeline",
            "unregister", "verify"]

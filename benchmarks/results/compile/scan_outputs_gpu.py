@@ -24,6 +24,7 @@ from compile_gpu import forward_profile, linear_params, matmul_flops_per_s, scan
 from decode_gpu import GPU_MODELS  # noqa: E402
 from generate_gpu import build_random_model  # noqa: E402
 from static_kv_decode_gpu import copy_bandwidth  # noqa: E402
+from ssmshard.testing import rel_err  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from no_grad_views_gpu import timed  # noqa: E402  (median ms of CUDA-event timed calls, the last output)
@@ -46,6 +47,8 @@ def main():
     parser.add_argument("--shapes", nargs="*", default=["8x2048", "1x16384"])
     parser.add_argument("--ttft-lengths", nargs="*", type=int, default=[])
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--skip", nargs="+", default=["scan_outputs"],
+                        help="the passes the module compared against leaves out")
     args = parser.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29557")
@@ -58,9 +61,11 @@ def main():
     model = build_random_model(config, "cuda", torch.bfloat16)
     modules = {"pass": ssmshard.parallelize(model, ssmshard.Plan(tp=1, training=False)),
                "skipped": ssmshard.parallelize(model, ssmshard.Plan(tp=1, training=False,
-                                                                    skip_passes=["scan_outputs"]))}
-    print(json.dumps({**common, "what": "scans given a dtype",
-                      "scans": len(modules["pass"].program.scan_output_report)}), flush=True)
+                                                                    skip_passes=args.skip))}
+    common["skipped_passes"] = args.skip
+    print(json.dumps({**common, "what": "scans given a dtype", "scans": len(modules["pass"].program.scan_output_report),
+                      "token_major_projections": len(getattr(modules["pass"].program, "token_major_report", []))}),
+          flush=True)
     for shape in args.shapes:
         batch, length = map(int, shape.split("x"))
         ids = torch.randint(0, config.vocab_size, (batch, length), device="cuda")
@@ -72,6 +77,7 @@ def main():
                 row[f"{way}_ms"] = round(ms, 2)
                 row[f"{way}_roofline"] = round(floor_ms / ms, 3)
             row["same_logits"] = bool(torch.equal(found["pass"][1], found["skipped"][1]))
+            row["logits_rel_diff"] = rel_err(found["pass"][1].float(), found["skipped"][1].float())
             print(json.dumps(row), flush=True)
             del found
             if args.profile:
