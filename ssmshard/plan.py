@@ -292,7 +292,7 @@ class Plan:
         policy, the sync-point passes (``spd``, then ``quantize_sync``), then, when
         ``kernels == "triton"``, ``fuse_rmsnorm`` (generation programs, and forward programs of a plan
         that does not train: each RMSNorm and the residual add before it as one node), ``scan_outputs``
-        (the same programs: Mamba-1's scan writing the dtype its output is cast to),
+        (the same programs but decode: Mamba-1's scan writing the dtype its output is cast to),
         ``token_major_in_proj`` (the same programs: Mamba-1's ``in_proj`` written token-contiguous
         for the conv and the scan), ``decode_gemv``
         (decode programs: linear layers on the skinny-matmul op), ``fuse_dt_proj`` (decode programs:
@@ -332,8 +332,9 @@ class Plan:
         if kernels == "triton":
             if mode != "forward" or not self.training:  # the fused kernel has no backward
                 steps.append(("fuse_rmsnorm", {}))
-                steps.append(("scan_outputs", {}))
-                steps.append(("token_major_in_proj", {}))
+                if mode != "decode":  # a decode step has no scan over tokens, nor their conv
+                    steps.append(("scan_outputs", {}))
+                    steps.append(("token_major_in_proj", {}))
             if mode == "decode":
                 steps.append(("decode_gemv", {}))
                 steps.append(("fuse_dt_proj", {}))

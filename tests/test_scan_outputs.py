@@ -2,7 +2,8 @@
 the one-tensor ``cat`` of transformers >= 5.25, leave the graph) and skips the final state where
 nothing reads it. Checked on the CPU with the GPU plan's passes (the kernel adapters run the
 reference op on CPU tensors): bf16 models give the same logits bit for bit as with the pass
-skipped, and Hugging Face's within bf16 rounding; float32 models Hugging Face's within 1e-5. The
+skipped, no further from Hugging Face's float32 logits than 3x HF's own bf16 run; float32
+models Hugging Face's within 1e-5. The
 Triton kernel's own rounding of y is checked by tests/test_kernel_selective_scan.py (y in u's
 dtype), its run without a final state by that file's test_no_grad_path_and_default_config."""
 
@@ -58,15 +59,18 @@ def test_bf16_scan_writes_what_is_read_with_the_same_logits(family, fresh_seed, 
     fused = _run(model, ids, monkeypatch)
     plain = _run(model, ids, monkeypatch, skip_passes=["scan_outputs"])
     with torch.no_grad():
-        expected = model(ids).logits.float()
+        exact = small_model(family)(ids).logits  # HF in float32
+        # How far bf16 rounding moves HF's own logits from that: ours may land as far, in other places.
+        reach = 3 * rel_err(model(ids).logits.float(), exact)
     layers = model.config.num_hidden_layers
     for rank, (got, without) in enumerate(zip(fused, plain)):
         logits, prefill_logits, forward, prefill = got
         # The rewrite changes no value: each scan rounds y once, as the cast did.
         assert torch.equal(logits, without[0]), f"rank {rank}, seed {fresh_seed}"
         assert torch.equal(prefill_logits, without[1]), f"rank {rank}, seed {fresh_seed}"
-        # bf16 rounding through two layers: HF's eager path rounds at other places.
-        assert rel_err(logits.float(), expected) < 2e-2, f"rank {rank}, seed {fresh_seed}"
+        # Against HF: no further from its float32 logits than 3x its own bf16 run is (measured over 16
+        # seeds on this CPU: at most 1.6x, 0.0046 against 0.0029).
+        assert rel_err(logits.float(), exact) <= reach, f"rank {rank}, seed {fresh_seed}"
         _check_final_states(forward, prefill)
         for program in (forward, prefill):
             report = program.scan_output_report
@@ -108,5 +112,6 @@ def test_the_training_forward_is_left_alone_and_the_pass_can_be_skipped():
     for mode in ("forward", "prefill", "chunk"):
         assert "scan_outputs" in pipeline_steps(inference, mode)
     assert "scan_outputs" in pipeline_steps(ssmshard.Plan(tp=2), "prefill")
+    assert "scan_outputs" not in pipeline_steps(ssmshard.Plan(tp=2, training=False), "decode")
     skipped = ssmshard.Plan(tp=2, training=False, skip_passes=["scan_outputs"])
     assert "scan_outputs" not in pipeline_steps(skipped, "forward")

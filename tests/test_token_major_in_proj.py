@@ -70,5 +70,6 @@ def test_only_inference_programs_and_it_can_be_skipped():
     assert "token_major_in_proj" not in pipeline_steps(ssmshard.Plan(tp=2), "forward")
     for mode in ("forward", "prefill", "chunk"):
         assert "token_major_in_proj" in pipeline_steps(ssmshard.Plan(tp=2, training=False), mode)
+    assert "token_major_in_proj" not in pipeline_steps(ssmshard.Plan(tp=2, training=False), "decode")
     skipped = ssmshard.Plan(tp=2, training=False, skip_passes=["token_major_in_proj"])
     assert "token_major_in_proj" not in pipeline_steps(skipped, "forward")

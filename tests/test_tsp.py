@@ -38,9 +38,9 @@ def _check_logits_and_gradients(world, cases, lengths, order, tmp_path, seed, we
     was 1.2e-5 from its fp64 one on rank 0's slices (seed 895008417; ours 1.41e-5 zigzag, 1.77e-5
     contiguous), and a small-norm ``A_log`` slice (its tokens' contributions cancel) 4.5e-5 from it
     (seed 3298735629; ours 1.28e-4 zigzag). Where neither holds, HF's fp32 gradients after its
-    weights are moved by rounding-sized amounts set the reach (an ill-conditioned input: zamba2 at
-    D = 2, seed 3769080726, ours 3.8e-5 from HF's fp32 gradient, HF's perturbed ones up to 9.0e-5
-    from its fp64 one; ``tsp_worker.rounding_perturbed_grads``)."""
+    weights are moved by rounding-sized amounts set the reach, twice the farthest of them (an
+    ill-conditioned input: zamba2 at D = 2, seed 3769080726, ours 3.8e-5 from HF's fp32 gradient,
+    HF's perturbed ones up to 9.0e-5 from its fp64 one; ``tsp_worker.rounding_perturbed_grads``)."""
     out = tmp_path / "tsp.json"
     ssmshard.launch(tsp_worker.tsp_results, world, cases, lengths, seed, str(out), order, weights, backend="gloo")
     for rank, results in enumerate(json.loads(out.read_text())):

