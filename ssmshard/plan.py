@@ -39,8 +39,8 @@ def _state_dtype(value):
 
 
 # Passes a plan runs only to make its programs faster; ``Plan(skip_passes=[...])`` leaves them out.
-OPTIONAL_PASSES = ("fuse_rmsnorm", "scan_outputs", "token_major_in_proj", "decode_gemv", "fuse_dt_proj", "group_decode_linears", "fuse_gated_activation",
-                   "fuse_rotary", "fold_cache_positions", "hoist_attention_mask", "inplace_decode_states",
+OPTIONAL_PASSES = ("fuse_rmsnorm", "scan_outputs", "token_major_in_proj", "decode_gemv", "fuse_dt_proj",
+                   "group_decode_linears", "fuse_gated_activation", "fuse_rotary", "fold_cache_positions", "hoist_attention_mask", "inplace_decode_states",
                    "fuse_cache_write", "fuse_gemv_conv", "fold_weights", "decode_attention")
 # What a plan runs only when asked (``Plan(add_passes=[...])``): measured, not faster everywhere.
 # ``decode_attention`` runs by default on head dims PyTorch's backends pad; asked for, on every head dim.
@@ -291,12 +291,12 @@ class Plan:
         the sharding passes (``propagate``, ``localize``, ``communicate``) with the plan's reduce
         policy, the sync-point passes (``spd``, then ``quantize_sync``), then, when
         ``kernels == "triton"``, ``fuse_rmsnorm`` (generation programs, and forward programs of a plan
-        that does not train: each RMSNorm and the residual add before it as one node), ``scan_outputs``
-        (the same programs but decode: Mamba-1's scan writing the dtype its output is cast to),
-        ``token_major_in_proj`` (the same programs: Mamba-1's ``in_proj`` written token-contiguous
-        for the conv and the scan), ``decode_gemv``
-        (decode programs: linear layers on the skinny-matmul op), ``fuse_dt_proj`` (decode programs:
-        Mamba-1's dt projection inside the state update), ``group_decode_linears`` (decode programs:
+        that does not train: each RMSNorm and the residual add before it as one node),
+        ``scan_outputs`` (the same programs but decode: Mamba-1's scan writing the dtype its output
+        is cast to, without a final state nothing reads), ``token_major_in_proj`` (the same
+        programs: Mamba-1's ``in_proj`` written token-contiguous for the conv and the scan),
+        ``decode_gemv`` (decode programs: linear layers on the skinny-matmul op), ``fuse_dt_proj``
+        (decode programs: Mamba-1's dt projection inside the state update), ``group_decode_linears`` (decode programs:
         linear layers reading one input as one op), ``fuse_gated_activation`` (decode programs: a gated
         MLP's ``act(gate) * up`` as one op), ``fuse_rotary`` (decode programs: q and k's rotary
         embedding as one op), ``fold_cache_positions`` (decode programs: the static-K/V slot arithmetic

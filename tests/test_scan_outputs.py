@@ -46,7 +46,7 @@ def _check_final_states(forward, prefill):
     """The forward reads no final state: its scans skip it; the prefill's cache reads it."""
     for scan in _scans(forward):
         assert scan.kwargs["final_state"] is False
-        assert tuple(_output(scan, 0).meta["val"].shape) != () and scan.meta["val"][1].shape[-1] == 0
+        assert scan.meta["val"][1].shape[-1] == 0  # the empty stand-in
     for scan in _scans(prefill):
         assert "final_state" not in scan.kwargs and _output(scan, 1).users
 
@@ -99,7 +99,7 @@ def test_fp32_scan_keeps_float32(fresh_seed, monkeypatch):
         expected = model(ids).logits
     for rank, (logits, prefill_logits, forward, prefill) in enumerate(_run(model, ids, monkeypatch)):
         assert rel_err(logits, expected) < 1e-5, f"rank {rank}, seed {fresh_seed}"
-        assert rel_err(prefill_logits, expected[:, -1:]) < 1e-5 or rel_err(prefill_logits, expected) < 1e-5
+        assert rel_err(prefill_logits, expected[:, -1:]) < 1e-5, f"rank {rank}, seed {fresh_seed}"
         assert [r["out_dtype"] for r in forward.scan_output_report] == [None] * model.config.num_hidden_layers
         assert prefill.scan_output_report == []
         _check_final_states(forward, prefill)

@@ -64,6 +64,29 @@ def test_token_major_in_proj_generates_hf_tokens(fresh_seed, monkeypatch):
     assert all(len(dm.prefill_program().token_major_report) == 2 for dm in mesh.ranks)
 
 
+@pytest.mark.parametrize("family", ["mamba", "falcon_mamba"])
+def test_left_padded_chunked_generation_gives_hf_tokens(family, fresh_seed, monkeypatch):
+    """Prompts of different lengths, left-padded, prefilled in chunks: HF's greedy tokens. The
+    prefill program is rewritten; the chunk program's conv reads the carried conv state joined to
+    x (a ``cat``, which the pass does not look through), so it keeps HF's layout."""
+    from generate_worker import left_padded_prompts
+
+    model = small_model(family)
+    monkeypatch.setattr(ssmshard.Plan, "kernel_choice", lambda self, device: "triton")
+    mesh = ssmshard.SimulatedMesh(model, ssmshard.Plan(tp=2))
+    ids, mask = left_padded_prompts(model.config.vocab_size, [9, 4, 7], fresh_seed)
+    with torch.no_grad():
+        tokens = mesh.generate(ids, attention_mask=mask, max_new_tokens=4, prefill_chunk_size=4)
+        expected = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert torch.equal(tokens, expected), f"seed {fresh_seed}"
+    for dm in mesh.ranks:
+        assert len(dm.prefill_program().token_major_report) == model.config.num_hidden_layers
+        for program in (dm.prefill_program(), dm.chunk_program()):
+            for entry in program.token_major_report:
+                node = next(n for n in program.graph.nodes if n.name == entry["node"])
+                assert node.target is aten.matmul.default and node.meta["val"].stride(-1) == 1
+
+
 def test_only_inference_programs_and_it_can_be_skipped():
     """A training forward keeps HF's linear: with a weight that requires grad, ATen's matmul
     would copy the transposed operand."""

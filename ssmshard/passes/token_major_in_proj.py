@@ -24,7 +24,8 @@ may differ (float32 accumulation either way).
 
 Where it applies: a ``linear`` without bias whose only reader is ``transpose(., 1, 2)`` of its
 3-D output, whose data reaches a ``causal_conv1d`` node through views and splits alone (Mamba and
-Falcon-Mamba; Zamba's mixer reads its projection per head, which this does not match). Inference programs only (the plan's choice): with a
+Falcon-Mamba; Zamba's mixer reads its projection per head, which this does not match). The plan
+runs it on inference programs only (a forward that does not train, prefill, chunk): with a
 weight that requires grad, ATen's matmul folds the transposed operand into rows with a copy.
 ``program.token_major_report`` lists the projections rewritten.
 ``Plan(skip_passes=["token_major_in_proj"])`` turns it off.
