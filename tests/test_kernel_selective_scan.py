@@ -243,6 +243,15 @@ def test_scan_low_precision(fresh_seed, dtype, variant):
     check_scan(inputs, softplus, cfg=VARIANTS[variant])
 
 
+def test_scan_sequential_steps_narrower_than_a_vector(fresh_seed):
+    """``ScanConfig.fwd_tokens``: bf16 u, delta, z and y advanced 4 tokens a step (one 16-byte
+    vector of them would be 8), an odd tail included; and a bad value refused."""
+    inputs, softplus = make_scan_inputs(2, 8, 2 * CHUNK + 5, 16, g=2, dtype=torch.bfloat16, num_init=2)
+    check_scan(inputs, softplus, cfg=ScanConfig(**{**CFG.__dict__, "fwd_tokens": 4}))
+    with pytest.raises(ValueError, match="fwd_tokens must be None or a power of two"):
+        ScanConfig(fwd_tokens=3)
+
+
 def test_packed_equals_sequences_alone(fresh_seed):
     """No state crosses a boundary: the packed outputs and gradients equal those of each
     sequence run on its own. Large initial states make any leak across a boundary obvious."""

@@ -84,6 +84,12 @@ class ScanConfig:
     # smaller blocks are for the CPU interpreter, where masked lanes cost real time.
     fwd_block_d: Optional[int] = None
     fwd_variant: str = "sequential"
+    # Tokens the sequential forward advances per step; None: one 16-byte vector of the widest
+    # per-token tensor, y included (4 with float32 y, 8 when all are bf16). On token-contiguous
+    # inputs at 8 x 2048 x 5120 on an H200 it took 1.037 ms at 4 tokens (float32 y) and 2.695 ms
+    # at 8 (bf16 y; benchmarks/results/compile/scan_tiles_in_program.log); 4 with bf16 y is not
+    # measured yet.
+    fwd_tokens: Optional[int] = None
     # One channel per lane (par_block_d = 32 * par_warps) with par_tokens = 4 keeps a step's
     # tokens and states in one thread (see selective_scan_fwd_parallel).
     par_block_d: int = 128
@@ -107,6 +113,8 @@ class ScanConfig:
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"ScanConfig.{name} must be a power of two, got {value}")
+        if self.fwd_tokens is not None and (self.fwd_tokens < 1 or self.fwd_tokens & (self.fwd_tokens - 1)):
+            raise ValueError(f"ScanConfig.fwd_tokens must be None or a power of two, got {self.fwd_tokens}")
         for name in ("par_maxnreg", "bwd_maxnreg"):
             value = getattr(self, name)
             if value is not None and not 24 <= value <= 255:
@@ -378,7 +386,7 @@ def _forward_kernel(u, delta, z, y, n, cfg: ScanConfig):
         return scan_fwd_parallel_kernel, cfg.par_block_d, dict(
             BLOCK_D=cfg.par_block_d, T=cfg.par_tokens, N_PAD=n_pad, **_launch_options(cfg.par_warps, cfg.par_maxnreg))
     return scan_fwd_kernel, cfg.fwd_channels, dict(
-        BLOCK_D=cfg.fwd_channels, V=_tokens_per_step(u, delta, z, y), N_PAD=n_pad,
+        BLOCK_D=cfg.fwd_channels, V=cfg.fwd_tokens or _tokens_per_step(u, delta, z, y), N_PAD=n_pad,
         N_STATIC=_static_n(n, cfg), num_warps=cfg.fwd_warps)
 
 

@@ -52,7 +52,8 @@ def main():
         base = default_config(b, D, l, a["u"].device)
         configs = {"default": base,
                    "parallel, 8-token tiles": dataclasses.replace(base, par_tokens=8),
-                   "sequential": dataclasses.replace(base, fwd_variant="sequential")}
+                   "sequential": dataclasses.replace(base, fwd_variant="sequential"),
+                   "sequential, 4-token steps": dataclasses.replace(base, fwd_variant="sequential", fwd_tokens=4)}
         reference = None
         for name, cfg in configs.items():
             for out_dtype in (torch.float32, torch.bfloat16):
@@ -147,12 +148,14 @@ def in_program(b=8, l=2048):
 def tiles_in_program():
     """The scan as the forward now calls it (``scan_outputs`` and ``token_major_in_proj``: u, z,
     delta token-contiguous, bf16 y, no final state) under other launch configurations: the
-    parallel kernel's 8-token tiles, the sequential kernel, and (batch 1) half and twice the
-    default segment count; float32 y beside each."""
+    parallel kernel's 8-token tiles, the sequential kernel (one 16-byte vector of tokens a step,
+    and 4 tokens a step whatever y's dtype), and (batch 1) half and twice the default segment
+    count; float32 y beside each. (``scan_tiles_in_program.log`` predates the 4-token row.)"""
     for (b, l), (args, kwargs) in program_scan_calls([(8, 2048), (1, 16384)], []).items():
         base = default_config(b, D, l, kwargs["u"].device)
         configs = {"default": base, "parallel, 8-token tiles": dataclasses.replace(base, par_tokens=8),
-                   "sequential": dataclasses.replace(base, fwd_variant="sequential")}
+                   "sequential": dataclasses.replace(base, fwd_variant="sequential"),
+                   "sequential, 4-token steps": dataclasses.replace(base, fwd_variant="sequential", fwd_tokens=4)}
         if base.segments > 1:
             configs[f"{base.segments // 2} segments"] = dataclasses.replace(base, segments=base.segments // 2)
             configs[f"{base.segments * 2} segments"] = dataclasses.replace(base, segments=base.segments * 2)
