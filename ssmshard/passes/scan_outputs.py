@@ -45,16 +45,12 @@ import torch
 from ..ops import SIGNATURES
 from .fuse_gemv_conv import _VIEWS
 from .manager import register
+from .shard.context import single_user
 
 aten = torch.ops.aten
 ssm = torch.ops.ssmshard
 _SIGNATURE = SIGNATURES["selective_scan"]
 _NARROW = (torch.bfloat16, torch.float16)
-
-
-def _only_reader(node):
-    users = list(node.users)
-    return users[0] if len(users) == 1 else None
 
 
 def _cast_dtype(node):
@@ -77,7 +73,7 @@ def _output_chain(scan):
     if len(firsts) != 1:
         return None
     cats, node = [], firsts[0]
-    while (reader := _only_reader(node)) is not None:
+    while (reader := single_user(node)) is not None:
         dtype = _cast_dtype(reader)
         if dtype is not None:
             return (cats, reader, dtype) if dtype in _NARROW else None

@@ -33,56 +33,45 @@ weight that requires grad, ATen's matmul folds the transposed operand into rows 
 
 from __future__ import annotations
 
-import operator
-
 import torch
 
-from .fuse_gemv_conv import _SPLITS, _VIEWS
+from .fuse_gemv_conv import _view_source
 from .manager import register
-from .shard.context import new_node
+from .shard.context import new_node, single_user
 
 aten = torch.ops.aten
 ssm = torch.ops.ssmshard
 
 
-def _feeds_a_conv(node) -> bool:
-    """Whether ``node``'s data reaches a ``causal_conv1d`` through views and splits alone."""
-    pending, seen = [node], set()
-    while pending:
-        current = pending.pop()
-        for reader in current.users:
-            if reader in seen:
-                continue
-            seen.add(reader)
-            if reader.target is ssm.causal_conv1d.default and reader.args[0] is current:
-                return True
-            if reader.target in _VIEWS or reader.target in _SPLITS or reader.target is operator.getitem:
-                pending.append(reader)
-    return False
+def _is_projection(node) -> bool:
+    """A ``linear`` without bias of a 3-D input."""
+    if node.op != "call_function" or node.target is not aten.linear.default:
+        return False
+    value = node.meta.get("val")
+    return (len(node.args) < 3 or node.args[2] is None) and value is not None and value.dim() == 3
 
 
-def _transposed_projection(linear):
-    """The ``transpose(linear, 1, 2)`` node that alone reads ``linear``'s output, or None."""
-    if linear.target is not aten.linear.default or (len(linear.args) > 2 and linear.args[2] is not None):
-        return None
-    value = linear.meta.get("val")
-    if value is None or value.dim() != 3 or len(linear.users) != 1:
-        return None
-    (reader,) = linear.users
-    if reader.target is aten.transpose.int and reader.args[0] is linear and sorted(reader.args[1:3]) == [1, 2]:
-        return reader
+def _transposed_projection(conv):
+    """The ``transpose(linear, 1, 2)`` that ``conv``'s input is a view of (through views and
+    splits), the linear read by it alone; or None."""
+    node = conv.args[0]
+    while node is not None:
+        if (node.target is aten.transpose.int and sorted(node.args[1:3]) == [1, 2]
+                and _is_projection(node.args[0]) and single_user(node.args[0]) is node):
+            return node
+        node = _view_source(node)
     return None
 
 
 @register("token_major_in_proj")
 def token_major_in_proj(program, ctx):
     graph, report = program.graph, []
-    for linear in list(graph.nodes):
-        if linear.op != "call_function":
+    convs = [n for n in graph.nodes if n.op == "call_function" and n.target is ssm.causal_conv1d.default]
+    for conv in convs:
+        transposed = _transposed_projection(conv)
+        if transposed is None:
             continue
-        transposed = _transposed_projection(linear)
-        if transposed is None or not _feeds_a_conv(transposed):
-            continue
+        linear = transposed.args[0]
         hidden, weight = linear.args[:2]
         with graph.inserting_before(transposed):
             swapped = new_node(graph, aten.transpose.int, (hidden, 1, 2), linear)
