@@ -26,7 +26,9 @@ import torch.nn.functional as F
 
 from ssmshard import ops  # noqa: F401  (registers torch.ops.ssmshard)
 from ssmshard.kernels import reference
-from ssmshard.kernels.selective_scan import ScanConfig, _segments, default_config, selective_scan, selective_scan_as_op
+from ssmshard.kernels.selective_scan import (ScanConfig, _forward_kernel, _resolve_forward, _segments, default_config,
+                                             selective_scan, selective_scan_as_op)
+from ssmshard.kernels.selective_scan_fwd import scan_fwd_kernel
 from ssmshard.kernels.state_update import selective_state_update
 from ssmshard.testing import rel_err
 from test_ops import seq_state_update  # float64 decode-step loop, Mamba-2 layout, head by head
@@ -250,6 +252,37 @@ def test_scan_sequential_steps_narrower_than_a_vector(fresh_seed):
     check_scan(inputs, softplus, cfg=ScanConfig(**{**CFG.__dict__, "fwd_tokens": 4}))
     with pytest.raises(ValueError, match="fwd_tokens must be None or a power of two"):
         ScanConfig(fwd_tokens=3)
+
+
+def test_auto_forward_resolves_by_layout_and_call(fresh_seed):
+    """``fwd_variant="auto"``: the sequential kernel at 4 tokens a step (the launched V checked,
+    not only the values) for token-contiguous inference calls in one segment; the parallel
+    kernel for channel-contiguous inputs, split rows and calls that keep checkpoints. Values of
+    the no-grad bf16 call (bf16 y) against the float64 reference."""
+    auto = ScanConfig(**{**CFG.__dict__, "fwd_variant": "auto"})
+    inputs, softplus = make_scan_inputs(2, 8, 2 * CHUNK + 5, 16, g=2, dtype=torch.bfloat16, num_init=2)
+    u, delta, z = (inputs[k].to(DEVICE) for k in ("u", "delta", "z"))
+    picked = _resolve_forward(auto, u, delta, z, num_segments=1, keep_checkpoints=False)
+    assert (picked.fwd_variant, picked.fwd_tokens) == ("sequential", 4)
+    kernel, _, constants = _forward_kernel(u, delta, z, u, 16, picked)
+    assert kernel is scan_fwd_kernel and constants["V"] == 4
+    channel_major = u.transpose(1, 2).contiguous().transpose(1, 2)
+    for args in [(u, delta, z, 2, False), (u, delta, z, 1, True), (channel_major, delta, z, 1, False),
+                 (u, delta, channel_major, 1, False)]:
+        assert _resolve_forward(auto, *args).fwd_variant == "parallel", args[3:]
+    assert _resolve_forward(CFG, u, delta, z, 1, False) is CFG  # concrete variants stay as they are
+
+    y_ref, final_ref = seq_selective_scan(*(inputs[k].double() if inputs[k] is not None else None for k in NAMES[:8]),
+                                          softplus, inputs["initial_state"].double(), None)
+    with torch.no_grad():
+        y, final = selective_scan(*(inputs[k].to(DEVICE) if inputs[k] is not None else None for k in NAMES[:8]),
+                                  softplus, initial_state=inputs["initial_state"].to(DEVICE),
+                                  return_final_state=True, out_dtype=torch.bfloat16, config=auto)
+    assert y.dtype == torch.bfloat16
+    assert rel_err(y, y_ref) <= ROUNDING_TOL[torch.bfloat16], f"y: {rel_err(y, y_ref):.3g}"
+    assert rel_err(final, final_ref) <= FP32_TOL, f"final state: {rel_err(final, final_ref):.3g}"
+    # With gradients (checkpoints kept) "auto" runs the parallel kernel: values and gradients.
+    check_scan(inputs, softplus, cfg=auto)
 
 
 def test_packed_equals_sequences_alone(fresh_seed):

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -53,7 +54,7 @@ from ssmshard.kernels.selective_scan_fwd_parallel import scan_fwd_parallel_kerne
 # --- launch configuration ------------------------------------------------------------------
 
 
-FWD_VARIANTS = ("sequential", "parallel")
+FWD_VARIANTS = ("sequential", "parallel", "auto")
 BWD_VARIANTS = ("tile", "parallel")
 
 
@@ -66,7 +67,9 @@ class ScanConfig:
     per thread, tokens walked in order, the state loop over n) or "parallel"
     (``selective_scan_fwd_parallel``: (par_block_d, n, par_tokens) tiles scanned over time with
     ``tl.associative_scan``, par_warps warps). Both write the same checkpoints, so the
-    backward is the same for either.
+    backward is the same for either. "auto" resolves at launch (``_resolve_forward``): the
+    sequential kernel at 4 tokens a step where an inference call's u, delta and z are
+    token-contiguous and the row is one segment, the parallel kernel otherwise.
 
     ``bwd_variant`` picks the backward kernel: "tile" (``selective_scan_bwd``: (bwd_block_d,
     chunk) tiles with tokens over threads, a loop over state indices) or "parallel"
@@ -87,8 +90,7 @@ class ScanConfig:
     # Tokens the sequential forward advances per step; None: one 16-byte vector of the widest
     # per-token tensor, y included (4 with float32 y, 8 when all are bf16). On token-contiguous
     # inputs at 8 x 2048 x 5120 on an H200 it took 1.037 ms at 4 tokens (float32 y) and 2.695 ms
-    # at 8 (bf16 y; benchmarks/results/compile/scan_tiles_in_program.log); 4 with bf16 y is not
-    # measured yet.
+    # at 8 (bf16 y; benchmarks/results/compile/scan_tiles_in_program.log). "auto" sets 4.
     fwd_tokens: Optional[int] = None
     # One channel per lane (par_block_d = 32 * par_warps) with par_tokens = 4 keeps a step's
     # tokens and states in one thread (see selective_scan_fwd_parallel).
@@ -151,8 +153,10 @@ def default_config(b: int, d: int, l: int, device: torch.device, packed: bool = 
     instead of 8; no spills in its loops).
 
     Every pick won a sweep on an H200 (docs/kernels.md; benchmarks/results/kernels/):
-    - forward: the parallel variant with 32-channel, 4-token tiles on one warp (1.343 ms against
-      the sequential 2.719 ms at B=8 d=5120 L=2048);
+    - forward: "auto" (``_resolve_forward``). On channel-contiguous inputs, split rows and
+      training calls that is the parallel variant with 32-channel, 4-token tiles on one warp
+      (1.343 ms against the sequential 2.719 ms at B=8 d=5120 L=2048); on token-contiguous
+      inference inputs in one segment, the sequential variant at 4 tokens a step;
     - backward: the parallel variant with 8-channel, 4-token tiles on one warp (forward+backward
       10.81 ms against the tile backward's 17.58 ms at B=8 L=2048, before later changes);
     - segments and the cap (d=5120): at B=1 L=16384, 26 segments and the cap
@@ -184,7 +188,7 @@ def _pick_config(b: int, d: int, l: int, device: torch.device, packed: bool) -> 
     if warps < _FWD_WARPS_PER_SM * sms:
         segments = max(1, min(cdiv(_SPLIT_WARPS_PER_SM * sms, warps), l // _MIN_SEGMENT_TOKENS))
     fwd_block_d = 16 if segments > 1 and not packed else 32
-    return ScanConfig(segments=segments, fwd_variant="parallel", par_block_d=fwd_block_d, par_tokens=4, par_warps=1,
+    return ScanConfig(segments=segments, fwd_variant="auto", par_block_d=fwd_block_d, par_tokens=4, par_warps=1,
                       bwd_variant="parallel", bwd_block_d=8, bwd_tokens=4, bwd_warps=1,
                       bwd_maxnreg=_SPLIT_BWD_MAXNREG if segments > 1 else None)
 
@@ -367,8 +371,8 @@ def _static_n(n: int, cfg: ScanConfig) -> int:
 
 def _segments(l: int, cfg: ScanConfig) -> tuple[int, int]:
     """(number of segments, tokens per segment); segments are whole checkpoint chunks, and
-    whole tiles of the parallel forward."""
-    unit = max(cfg.chunk, cfg.par_tokens) if cfg.fwd_variant == "parallel" else cfg.chunk
+    whole tiles of the parallel forward ("auto" counts as parallel: it resolves to it on split rows)."""
+    unit = max(cfg.chunk, cfg.par_tokens) if cfg.fwd_variant != "sequential" else cfg.chunk
     seg_len = cdiv(cdiv(l, cfg.segments), unit) * unit
     return cdiv(l, seg_len), seg_len
 
@@ -376,6 +380,25 @@ def _segments(l: int, cfg: ScanConfig) -> tuple[int, int]:
 def _launch_options(num_warps: int, maxnreg: Optional[int]) -> dict:
     # maxnreg is passed only when set: older launchers and the CPU interpreter never see it.
     return dict(num_warps=num_warps) if maxnreg is None else dict(num_warps=num_warps, maxnreg=maxnreg)
+
+
+def _token_contiguous(*tensors: Optional[Tensor]) -> bool:
+    return all(t is None or t.stride(-1) == 1 for t in tensors)
+
+
+def _resolve_forward(cfg: ScanConfig, u, delta, z, num_segments: int, keep_checkpoints: bool) -> ScanConfig:
+    """``fwd_variant="auto"`` made concrete for one call. The sequential kernel loads each
+    thread's tokens as one vector, so it wants u, delta and z token-contiguous (as
+    ``token_major_in_proj`` leaves them); with 4 tokens a step it beat the parallel kernel on
+    those inputs at 8 x 2048 x 5120 on an H200 (benchmarks/results/compile/, "The scan kernel
+    picked by layout"). On split rows the parallel kernel stays: there it won with either
+    layout. Training calls stay on the parallel kernel: the pick was timed without
+    checkpoints."""
+    if cfg.fwd_variant != "auto":
+        return cfg
+    if num_segments == 1 and not keep_checkpoints and _token_contiguous(u, delta, z):
+        return dataclasses.replace(cfg, fwd_variant="sequential", fwd_tokens=cfg.fwd_tokens or 4)
+    return dataclasses.replace(cfg, fwd_variant="parallel")
 
 
 def _forward_kernel(u, delta, z, y, n, cfg: ScanConfig):
@@ -455,6 +478,7 @@ def _forward(u, delta, A, B, C, D, z, delta_bias, softplus, cu_seqlens, initial_
                                                  initial_state)
     seq_idx = _sequence_index(cu_seqlens, l) if cu_seqlens is not None else None
     num_segments, seg_len = _segments(l, cfg)
+    cfg = _resolve_forward(cfg, u, delta, z, num_segments, keep_checkpoints)
     fwd_ranges = bwd_ranges = None
     if cu_seqlens is not None and num_segments > 1:
         fwd_ranges, bwd_ranges = _segment_pass_ranges(cu_seqlens, l, num_segments, seg_len)

@@ -9,7 +9,14 @@ same bits. The floor is compile_gpu.py's (matmul rate and copy bandwidth measure
 ways, at every shape.
 
     PYTHONPATH=$PWD python benchmarks/results/compile/scan_outputs_gpu.py --profile --ttft-lengths 4096 32768
+
+``--skip`` names the passes the compared module leaves out (the two modules are otherwise the
+same plan); ``--baseline-scan-forward parallel`` runs the compared module's Mamba-1 scans on the
+parallel forward kernel instead of the default pick (how "auto" was measured against it):
+
+    PYTHONPATH=$PWD python benchmarks/results/compile/scan_outputs_gpu.py --skip --baseline-scan-forward parallel --profile --ttft-lengths 4096 32768
 """
+import dataclasses
 import argparse
 import json
 import os
@@ -24,6 +31,7 @@ from compile_gpu import forward_profile, linear_params, matmul_flops_per_s, scan
 from decode_gpu import GPU_MODELS  # noqa: E402
 from generate_gpu import build_random_model  # noqa: E402
 from static_kv_decode_gpu import copy_bandwidth  # noqa: E402
+from ssmshard.kernels import selective_scan as scan_module  # noqa: E402
 from ssmshard.testing import rel_err  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -41,14 +49,31 @@ def alternate(ways: dict, rounds=2):
     return {way: (min(t for t, _ in runs), runs[-1][1]) for way, runs in results.items()}
 
 
+def with_scan_forward(fn, variant):
+    """``fn`` run with every default scan config's forward variant set to ``variant``."""
+    if variant is None:
+        return fn
+
+    def run():
+        picked = scan_module._cached_config
+        scan_module._cached_config = lambda *a: dataclasses.replace(picked(*a), fwd_variant=variant)
+        try:
+            return fn()
+        finally:
+            scan_module._cached_config = picked
+    return run
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="mamba-2.8b")
     parser.add_argument("--shapes", nargs="*", default=["8x2048", "1x16384"])
     parser.add_argument("--ttft-lengths", nargs="*", type=int, default=[])
     parser.add_argument("--profile", action="store_true")
-    parser.add_argument("--skip", nargs="+", default=["scan_outputs"],
+    parser.add_argument("--skip", nargs="*", default=["scan_outputs"],
                         help="the passes the module compared against leaves out")
+    parser.add_argument("--baseline-scan-forward", choices=["parallel", "sequential"],
+                        help="the scan forward kernel the module compared against runs")
     args = parser.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29557")
@@ -63,6 +88,8 @@ def main():
                "skipped": ssmshard.parallelize(model, ssmshard.Plan(tp=1, training=False,
                                                                     skip_passes=args.skip))}
     common["skipped_passes"] = args.skip
+    common["baseline_scan_forward"] = args.baseline_scan_forward
+    baseline = lambda way, fn: with_scan_forward(fn, args.baseline_scan_forward) if way == "skipped" else fn  # noqa: E731
     print(json.dumps({**common, "what": "scans given a dtype", "scans": len(modules["pass"].program.scan_output_report),
                       "token_major_projections": len(getattr(modules["pass"].program, "token_major_report", []))}),
           flush=True)
@@ -71,7 +98,7 @@ def main():
         ids = torch.randint(0, config.vocab_size, (batch, length), device="cuda")
         floor_ms = 1e3 * (2 * linear_params(model) * batch * length / flops + scan_bytes(model, batch, length) / bandwidth)
         with torch.no_grad():
-            found = alternate({way: (lambda dm=dm: dm(ids)) for way, dm in modules.items()})
+            found = alternate({way: baseline(way, lambda dm=dm: dm(ids)) for way, dm in modules.items()})
             row = {**common, "what": "forward", "batch": batch, "length": length, "floor_ms": round(floor_ms, 2)}
             for way, (ms, _) in found.items():
                 row[f"{way}_ms"] = round(ms, 2)
@@ -83,13 +110,15 @@ def main():
             if args.profile:
                 for way, dm in modules.items():
                     print(json.dumps({**common, "what": "forward_profile", "way": way, "batch": batch,
-                                      "length": length, **forward_profile(lambda: dm(ids), device)}), flush=True)
+                                      "length": length, **forward_profile(baseline(way, lambda dm=dm: dm(ids)), device)}),
+                          flush=True)
         torch.cuda.empty_cache()
     for length in args.ttft_lengths:
         ids = torch.randint(0, config.vocab_size, (1, length), device="cuda")
-        ways = {way: (lambda dm=dm: dm.generate(ids, max_new_tokens=1, do_sample=False)) for way, dm in modules.items()}
+        ways = {way: baseline(way, lambda dm=dm: dm.generate(ids, max_new_tokens=1, do_sample=False))
+                for way, dm in modules.items()}
         with torch.no_grad():
-            forwards = {way: (lambda dm=dm: dm(ids)) for way, dm in modules.items()}
+            forwards = {way: baseline(way, lambda dm=dm: dm(ids)) for way, dm in modules.items()}
             found = alternate({**ways, **{f"forward_{way}": fn for way, fn in forwards.items()}})
         row = {**common, "what": "ttft", "batch": 1, "length": length}
         for way, (ms, _) in found.items():

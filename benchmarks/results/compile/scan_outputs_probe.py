@@ -10,8 +10,10 @@ replaced by random values in the same layout, without the final state, and under
     PYTHONPATH=$PWD python benchmarks/results/compile/scan_outputs_probe.py                 # scan_outputs_probe.log
     PYTHONPATH=$PWD python benchmarks/results/compile/scan_outputs_probe.py --in-program    # scan_outputs_in_program.log
     PYTHONPATH=$PWD python benchmarks/results/compile/scan_outputs_probe.py --tiles-in-program   # scan_tiles_in_program.log
+    PYTHONPATH=$PWD python benchmarks/results/compile/scan_outputs_probe.py --tiles-in-program 1x16384   # one shape
 """
 import dataclasses
+import sys as _sys
 
 import torch
 from triton.testing import do_bench
@@ -150,12 +152,19 @@ def tiles_in_program():
     delta token-contiguous, bf16 y, no final state) under other launch configurations: the
     parallel kernel's 8-token tiles, the sequential kernel (one 16-byte vector of tokens a step,
     and 4 tokens a step whatever y's dtype), and (batch 1) half and twice the default segment
-    count; float32 y beside each. (``scan_tiles_in_program.log`` predates the 4-token row.)"""
-    for (b, l), (args, kwargs) in program_scan_calls([(8, 2048), (1, 16384)], []).items():
+    count; float32 y beside each. "default" is ``default_config``'s pick, "parallel" the parallel
+    kernel that was the default before "auto". (``scan_tiles_in_program.log`` predates the rows
+    after "sequential".)"""
+    shapes = [tuple(map(int, shape.split("x"))) for shape in _sys.argv[_sys.argv.index("--tiles-in-program") + 1:]]
+    for (b, l), (args, kwargs) in program_scan_calls(shapes or [(8, 2048), (1, 16384)], []).items():
         base = default_config(b, D, l, kwargs["u"].device)
-        configs = {"default": base, "parallel, 8-token tiles": dataclasses.replace(base, par_tokens=8),
+        configs = {"default": base, "parallel": dataclasses.replace(base, fwd_variant="parallel"),
+                   "parallel, 8-token tiles": dataclasses.replace(base, fwd_variant="parallel", par_tokens=8),
                    "sequential": dataclasses.replace(base, fwd_variant="sequential"),
-                   "sequential, 4-token steps": dataclasses.replace(base, fwd_variant="sequential", fwd_tokens=4)}
+                   "sequential, 4-token steps": dataclasses.replace(base, fwd_variant="sequential", fwd_tokens=4),
+                   "sequential, 2-token steps": dataclasses.replace(base, fwd_variant="sequential", fwd_tokens=2),
+                   "sequential, 4-token steps, 2 warps": dataclasses.replace(base, fwd_variant="sequential",
+                                                                            fwd_tokens=4, fwd_warps=2)}
         if base.segments > 1:
             configs[f"{base.segments // 2} segments"] = dataclasses.replace(base, segments=base.segments // 2)
             configs[f"{base.segments * 2} segments"] = dataclasses.replace(base, segments=base.segments * 2)
@@ -169,7 +178,6 @@ def tiles_in_program():
 
 
 if __name__ == "__main__":
-    import sys as _sys
     if "--in-program" in _sys.argv:
         in_program()
     elif "--tiles-in-program" in _sys.argv:
