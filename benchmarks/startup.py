@@ -1,6 +1,6 @@
 """CPU benchmark: how long ``ssmshard.parallelize`` and the first ``generate`` take, and where.
 
-    python benchmarks/startup.py [--families mamba zamba2 llama] [--layers64] [--zamba2-54] [--chunked] [--profile FILE]
+    python benchmarks/startup.py [--families mamba zamba2 llama] [--layers64] [--zamba2-54] [--chunked] [--static-kv] [--profile FILE]
     python benchmarks/startup.py --verifier-nodes TP [--families ...] [--layers64]
     python benchmarks/startup.py --smoke          # mamba only: checks the script
 
@@ -16,7 +16,9 @@ shared blocks alternating). ``SSMSHARD_TRACE_ALL_LAYERS=1``: capture traces ever
 copying traced ones (how capture worked before ``layer_repeat.py``). ``--chunked``: also the first
 chunked-prefill generate (it captures the chunk program). ``--lazy-forward``: ``parallelize(...,
 lazy_forward=True)``, which lays the weights out from the prefill program and never captures the
-forward program here. ``--profile FILE``: cProfile to FILE.
+forward program here. ``--static-kv``: instead of the generation programs and a generate, the
+prefill program and the static-K/V decode program (what a GPU generate of an attention model
+builds). ``--profile FILE``: cProfile to FILE.
 ``SSMSHARD_FULL_PROPAGATION=1`` makes the verifier propagate every node after every
 shape-changing pass (how it worked before it recomputed only changed nodes).
 
@@ -61,7 +63,7 @@ def build(family: str, layers: int | None):
     return randomize_weights(build_small_model(family, **overrides), seed=1).eval()
 
 
-def measure(family: str, layers: int | None, chunked: bool, lazy_forward: bool = False):
+def measure(family: str, layers: int | None, chunked: bool, lazy_forward: bool = False, static_kv: bool = False):
     model = build(family, layers)
     prompts = torch.randint(3, model.config.vocab_size, (3, 6))
     mask = torch.ones_like(prompts)
@@ -80,6 +82,10 @@ def measure(family: str, layers: int | None, chunked: bool, lazy_forward: bool =
         return result
 
     dm = timed("parallelize", lambda: ssmshard.parallelize(model, ssmshard.Plan(tp=1), lazy_forward=lazy_forward))
+    if static_kv:  # what a GPU generate of an attention model builds: no decode program of the growing cache
+        timed("prefill program", dm.prefill_program)
+        timed("static-K/V decode program", dm.static_decode_program)
+        return rows
     timed("generation programs", dm.generation_programs)
     timed("generate (programs ready)",
           lambda: dm.generate(prompts, attention_mask=mask, max_new_tokens=20, do_sample=False))
@@ -134,6 +140,9 @@ def main():
     parser.add_argument("--chunked", action="store_true", help="also time the first chunked-prefill generate")
     parser.add_argument("--lazy-forward", action="store_true",
                         help="parallelize(..., lazy_forward=True): weights laid out from the prefill program")
+    parser.add_argument("--static-kv", action="store_true",
+                        help="time the prefill and static-K/V decode programs (a GPU generate's, attention models) "
+                             "instead of the generation programs and a generate")
     parser.add_argument("--profile", help="write a cProfile of everything to this file")
     parser.add_argument("--verifier-nodes", type=int, metavar="TP",
                         help="count the verifier's propagated nodes at this tp instead of timing")
@@ -151,7 +160,7 @@ def main():
     profiler = cProfile.Profile() if args.profile else None
     with profiler or contextlib.nullcontext():
         for family, layers in runs:
-            rows = measure(family, layers, args.chunked, args.lazy_forward)
+            rows = measure(family, layers, args.chunked, args.lazy_forward, args.static_kv)
             print(f"{family}{f' ({layers} layers)' if layers else ''}:")
             for name, seconds in rows:
                 print(f"  {name:<45} {seconds:7.2f} s")

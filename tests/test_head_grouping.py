@@ -160,11 +160,16 @@ def test_grouping_lowers_the_spd_error(case, fresh_seed):
 
     ids = _ids(model, fresh_seed + 1, (3, 13))  # held-out: fresh ids
     plan = ssmshard.Plan(tp=2, drop_syncs=[point])
+    # The logits' error over all of them (||a - b|| / ||b||), what the grouping minimises at the
+    # sync point, not the largest element's: over 16 seeds of mamba2 grouping took the first
+    # from 0.39-0.44 to 0.24-0.28, while the second moved either way on single logits
+    # (0.57276 -> 0.57283 with seed 2199512477).
+    norm_err = lambda got, want: ((got - want).norm() / want.norm()).item()  # noqa: E731
     with torch.no_grad():
         exact = original(ids).logits
         assert rel_err(model(ids).logits, exact) < TOL  # without SPD: unchanged
-        before = rel_err(ssmshard.SimulatedMesh(original, plan)(ids), exact)
-        after = rel_err(ssmshard.SimulatedMesh(model, plan)(ids), exact)
+        before = norm_err(ssmshard.SimulatedMesh(original, plan)(ids), exact)
+        after = norm_err(ssmshard.SimulatedMesh(model, plan)(ids), exact)
     assert after < before, f"{case}: SPD error with grouping {after} >= without {before} (seed {fresh_seed})"
 
 
