@@ -11,6 +11,7 @@ replaced by random values in the same layout, without the final state, and under
     PYTHONPATH=$PWD python benchmarks/results/compile/scan_outputs_probe.py --in-program    # scan_outputs_in_program.log
     PYTHONPATH=$PWD python benchmarks/results/compile/scan_outputs_probe.py --tiles-in-program   # scan_tiles_in_program.log
     PYTHONPATH=$PWD python benchmarks/results/compile/scan_outputs_probe.py --tiles-in-program 1x16384   # one shape
+    PYTHONPATH=$PWD python benchmarks/results/compile/scan_outputs_probe.py --split-rows   # scan_split_rows.log
 """
 import dataclasses
 import sys as _sys
@@ -177,10 +178,37 @@ def tiles_in_program():
                       flush=True)
 
 
+def split_rows():
+    """Batch-1 rows, split into segments: the parallel kernel (the default) against the sequential
+    kernel at 4-token steps with the default and twice the segment count, and with 16-channel
+    programs (half of each warp's lanes repeat the other half's channels: twice the warps), on
+    the forward's inputs (token-contiguous, bf16 y, no final state) at 2048, 4096 and 16384 tokens."""
+    for (b, l), (args, kwargs) in program_scan_calls([(1, 2048), (1, 4096), (1, 16384)], []).items():
+        base = default_config(b, D, l, kwargs["u"].device)
+        sequential = dataclasses.replace(base, fwd_variant="sequential", fwd_tokens=4)
+        configs = {"parallel (default)": dataclasses.replace(base, fwd_variant="parallel"),
+                   "sequential, 4-token steps": sequential,
+                   "sequential, 4-token steps, 2x segments": dataclasses.replace(sequential, segments=2 * base.segments),
+                   "sequential, 4-token steps, 16 channels": dataclasses.replace(sequential, fwd_block_d=16),
+                   "sequential, 4-token steps, 16 channels, 2x segments": dataclasses.replace(
+                       sequential, fwd_block_d=16, segments=2 * base.segments)}
+        for name, cfg in configs.items():
+            options = {**kwargs, "config": cfg, "out_dtype": torch.bfloat16}
+            with torch.no_grad():
+                ms = do_bench(lambda: selective_scan(*args, **options), return_mode="median")
+            print(f"b={b} l={l} {name:52s} (segments {_segments_of(l, cfg)}) y bf16: {ms:.3f} ms", flush=True)
+
+
+def _segments_of(l, cfg):
+    return scan_module._segments(l, cfg)[0]
+
+
 if __name__ == "__main__":
     if "--in-program" in _sys.argv:
         in_program()
     elif "--tiles-in-program" in _sys.argv:
         tiles_in_program()
+    elif "--split-rows" in _sys.argv:
+        split_rows()
     else:
         main()
