@@ -34,9 +34,9 @@ too is compute bound.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
-import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
