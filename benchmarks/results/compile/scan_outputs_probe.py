@@ -12,6 +12,7 @@ replaced by random values in the same layout, without the final state, and under
     PYTHONPATH=$PWD python benchmarks/results/compile/scan_outputs_probe.py --tiles-in-program   # scan_tiles_in_program.log
     PYTHONPATH=$PWD python benchmarks/results/compile/scan_outputs_probe.py --tiles-in-program 1x16384   # one shape
     PYTHONPATH=$PWD python benchmarks/results/compile/scan_outputs_probe.py --split-rows   # scan_split_rows.log
+    PYTHONPATH=$PWD python benchmarks/results/compile/scan_outputs_probe.py --narrow-tiles   # scan_narrow_tiles.log
 """
 import dataclasses
 import sys as _sys
@@ -199,6 +200,27 @@ def split_rows():
             print(f"b={b} l={l} {name:52s} (segments {_segments_of(l, cfg)}) y bf16: {ms:.3f} ms", flush=True)
 
 
+def narrow_tiles():
+    """Batch 1 at 16384 tokens: the parallel kernel with narrower channel tiles (2 to 16 channels on
+    one warp: the other lanes take state indices, so more programs fill the GPU) and fewer
+    segments, down to one (no segment pass), on the forward's inputs; y compared with the
+    default's (bf16, relative)."""
+    for (b, l), (args, kwargs) in program_scan_calls([(1, 16384)], []).items():
+        base = default_config(b, D, l, kwargs["u"].device)
+        with torch.no_grad():
+            want = selective_scan(*args, **{**kwargs, "config": base, "out_dtype": torch.float32})
+        for block_d in (16, 8, 4, 2):
+            for segments in sorted({1, 2, 4, 8, base.segments}):
+                cfg = dataclasses.replace(base, fwd_variant="parallel", par_block_d=block_d, segments=segments)
+                options = {**kwargs, "config": cfg, "out_dtype": torch.bfloat16}
+                with torch.no_grad():
+                    got = selective_scan(*args, **{**options, "out_dtype": torch.float32})
+                    ms = do_bench(lambda: selective_scan(*args, **options), return_mode="median")
+                diff = ((got - want).abs().max() / want.abs().max()).item()
+                print(f"b={b} l={l} parallel, {block_d:2d} channels, segments {_segments_of(l, cfg):2d}: {ms:.3f} ms"
+                      f" (y against the default's: {diff:.2e})", flush=True)
+
+
 def _segments_of(l, cfg):
     return scan_module._segments(l, cfg)[0]
 
@@ -210,5 +232,7 @@ if __name__ == "__main__":
         tiles_in_program()
     elif "--split-rows" in _sys.argv:
         split_rows()
+    elif "--narrow-tiles" in _sys.argv:
+        narrow_tiles()
     else:
         main()
