@@ -249,7 +249,11 @@ def test_scan_sequential_steps_narrower_than_a_vector(fresh_seed):
     """``ScanConfig.fwd_tokens``: bf16 u, delta, z and y advanced 4 tokens a step (one 16-byte
     vector of them would be 8), an odd tail included; and a bad value refused."""
     inputs, softplus = make_scan_inputs(2, 8, 2 * CHUNK + 5, 16, g=2, dtype=torch.bfloat16, num_init=2)
-    check_scan(inputs, softplus, cfg=ScanConfig(**{**CFG.__dict__, "fwd_tokens": 4}))
+    cfg = ScanConfig(**{**CFG.__dict__, "fwd_tokens": 4})
+    u = inputs["u"].to(DEVICE)
+    assert _forward_kernel(u, u, u, u, 16, cfg)[2]["V"] == 4  # the step launched, not only the values
+    assert _forward_kernel(u, u, u, u, 16, CFG)[2]["V"] == 8  # bf16 throughout: one 16-byte vector
+    check_scan(inputs, softplus, cfg=cfg)
     with pytest.raises(ValueError, match="fwd_tokens must be None or a power of two"):
         ScanConfig(fwd_tokens=3)
 
