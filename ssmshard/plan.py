@@ -40,8 +40,9 @@ def _state_dtype(value):
 
 # Passes a plan runs only to make its programs faster; ``Plan(skip_passes=[...])`` leaves them out.
 OPTIONAL_PASSES = ("fuse_rmsnorm", "scan_outputs", "token_major_in_proj", "decode_gemv", "fuse_dt_proj",
-                   "group_decode_linears", "fuse_gated_activation", "fuse_rotary", "fold_cache_positions", "hoist_attention_mask", "inplace_decode_states",
-                   "fuse_cache_write", "fuse_gemv_conv", "fold_weights", "decode_attention")
+                   "group_decode_linears", "fuse_gated_activation", "fuse_rotary", "fold_cache_positions",
+                   "hoist_attention_mask", "inplace_decode_states", "fuse_cache_write", "fuse_gemv_conv",
+                   "fold_weights", "decode_attention")
 # What a plan runs only when asked (``Plan(add_passes=[...])``): measured, not faster everywhere.
 # ``decode_attention`` runs by default on head dims PyTorch's backends pad; asked for, on every head dim.
 OPT_IN_PASSES = ("decode_attention",)

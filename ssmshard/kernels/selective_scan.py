@@ -396,7 +396,13 @@ def _resolve_forward(cfg: ScanConfig, u, delta, z, num_segments: int, keep_check
     checkpoints."""
     if cfg.fwd_variant != "auto":
         return cfg
-    if num_segments == 1 and not keep_checkpoints and _token_contiguous(u, delta, z):
+    return _concrete_forward(cfg, num_segments == 1 and not keep_checkpoints and _token_contiguous(u, delta, z))
+
+
+@functools.lru_cache(maxsize=1024)
+def _concrete_forward(cfg: ScanConfig, sequential: bool) -> ScanConfig:
+    # Cached as default_config is: a replace() validates the config again, 4.4 us a call here (1 us cached).
+    if sequential:
         return dataclasses.replace(cfg, fwd_variant="sequential", fwd_tokens=cfg.fwd_tokens or 4)
     return dataclasses.replace(cfg, fwd_variant="parallel")
 

@@ -43,7 +43,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ..ops import SIGNATURES
 from .inplace_states import _WRITERS
 from .manager import register
-from .shard.context import data_readers, new_node, node_order, value_of
+from .shard.context import data_readers, new_node, node_order, value_of, view_source
 from .swap_kernels import KERNEL_DTYPES, KERNELS, _on_gpu
 
 aten = torch.ops.aten
@@ -52,10 +52,6 @@ ssm = torch.ops.ssmshard
 LINEAR = KERNELS[ssm.decode_linear.default][0]
 CONV = _WRITERS[KERNELS[ssm.causal_conv1d_update.default][0]][0]
 _CONV_SIGNATURE = SIGNATURES["causal_conv1d_update"]
-# Ops whose output is always a view of their first argument (no cast or reshape that may copy).
-_VIEWS = {aten.transpose.int, aten.permute.default, aten.view.default, aten.unsqueeze.default,
-          aten.squeeze.dim, aten.squeeze.dims, aten.slice.Tensor, aten.select.int, aten.alias.default}
-_SPLITS = {aten.split_with_sizes.default, aten.split.Tensor, aten.chunk.default}
 
 
 def gemv_conv_kernel(x, weight, bias, conv_state, conv_weight, conv_bias, activation, lo, conv_input_dims):
@@ -78,21 +74,11 @@ def gemv_conv_kernel(x, weight, bias, conv_state, conv_weight, conv_bias, activa
     return y, out, conv_state
 
 
-def _view_source(node):
-    """The node whose memory ``node`` views (through a split's getitem too), or None."""
-    if node.op != "call_function":
-        return None
-    if node.target is operator.getitem:
-        split = node.args[0]
-        return split.args[0] if isinstance(split, torch.fx.Node) and split.target in _SPLITS else None
-    return node.args[0] if node.target in _VIEWS and isinstance(node.args[0], torch.fx.Node) else None
-
-
 def _projection_of(x):
     """The ``decode_linear`` node ``x`` is a view of, or None."""
     node = x
     while node is not None and not (node.op == "call_function" and node.target is LINEAR):
-        node = _view_source(node)
+        node = view_source(node)
     return node
 
 

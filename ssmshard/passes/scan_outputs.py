@@ -43,9 +43,8 @@ import operator
 import torch
 
 from ..ops import SIGNATURES
-from .fuse_gemv_conv import _VIEWS
 from .manager import register
-from .shard.context import single_user
+from .shard.context import VIEW_OPS, single_user
 
 aten = torch.ops.aten
 ssm = torch.ops.ssmshard
@@ -79,7 +78,7 @@ def _output_chain(scan):
             return (cats, reader, dtype) if dtype in _NARROW else None
         if _one_tensor_cat(reader):
             cats.append(reader)
-        elif reader.target not in _VIEWS or reader.args[0] is not node:
+        elif reader.target not in VIEW_OPS or reader.args[0] is not node:
             return None
         node = reader
     return None

@@ -35,9 +35,8 @@ from __future__ import annotations
 
 import torch
 
-from .fuse_gemv_conv import _view_source
 from .manager import register
-from .shard.context import new_node, single_user
+from .shard.context import new_node, single_user, view_source
 
 aten = torch.ops.aten
 ssm = torch.ops.ssmshard
@@ -59,7 +58,7 @@ def _transposed_projection(conv):
         if (node.target is aten.transpose.int and sorted(node.args[1:3]) == [1, 2]
                 and _is_projection(node.args[0]) and single_user(node.args[0]) is node):
             return node
-        node = _view_source(node)
+        node = view_source(node)
     return None
 
 

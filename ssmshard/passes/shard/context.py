@@ -14,6 +14,7 @@ Records on the graph (they stay there after the pipeline, for later passes and r
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any
 
 import torch
@@ -135,6 +136,24 @@ def sdpa_arguments(node) -> dict:
     """A ``scaled_dot_product_attention`` node's arguments by name, however they were passed
     (those left at their defaults are absent)."""
     return {**dict(zip(SDPA_POSITIONAL, node.args)), **node.kwargs}
+
+
+# Ops whose output is always a view of their first argument (no cast or reshape that may copy),
+# and the splits whose getitems are views of theirs.
+VIEW_OPS = {torch.ops.aten.transpose.int, torch.ops.aten.permute.default, torch.ops.aten.view.default,
+            torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim, torch.ops.aten.squeeze.dims,
+            torch.ops.aten.slice.Tensor, torch.ops.aten.select.int, torch.ops.aten.alias.default}
+SPLIT_OPS = {torch.ops.aten.split_with_sizes.default, torch.ops.aten.split.Tensor, torch.ops.aten.chunk.default}
+
+
+def view_source(node):
+    """The node whose memory ``node`` views (through a split's getitem too), or None."""
+    if node.op != "call_function":
+        return None
+    if node.target is operator.getitem:
+        split = node.args[0]
+        return split.args[0] if isinstance(split, torch.fx.Node) and split.target in SPLIT_OPS else None
+    return node.args[0] if node.target in VIEW_OPS and isinstance(node.args[0], torch.fx.Node) else None
 
 
 def single_user(node):
