@@ -7,6 +7,8 @@ import json, os, sys, time
 import torch
 import triton
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from scan_probe_inputs import scan_inputs
 from state_lanes_kernel import launch
 from ssmshard.kernels.selective_scan import selective_scan, _bc4, _fp32_rows, default_config
 
@@ -23,14 +25,7 @@ variants = [
     dict(name="lanes8 T8 bd4 w1 spread pf", block_d=4, num_warps=1, spread=True, prefetch=True, lanes=8, tokens=8),
 ]
 for b, l in ((1, 2048), (1, 4096), (1, 16384), (8, 2048)):
-    u = torch.randn(b, d, l, device=dev, dtype=torch.bfloat16)
-    delta = (torch.randn(b, d, l, device=dev) * 0.5 - 3).to(torch.bfloat16)
-    z = torch.randn(b, d, l, device=dev, dtype=torch.bfloat16)
-    A = -torch.exp(torch.randn(d, n, device=dev) * 0.5)
-    B = torch.randn(b, n, l, device=dev, dtype=torch.bfloat16)
-    C = torch.randn(b, n, l, device=dev, dtype=torch.bfloat16)
-    D = torch.randn(d, device=dev)
-    bias = torch.randn(d, device=dev) * 0.1
+    u, delta, z, A, B, C, D, bias = scan_inputs(b, d, l, n, dev)
     with torch.no_grad():
         ref32 = selective_scan(u, delta, A, B, C, D, z, bias, True, out_dtype=torch.float32)
         cur = lambda: selective_scan(u, delta, A, B, C, D, z, bias, True, out_dtype=torch.bfloat16)
