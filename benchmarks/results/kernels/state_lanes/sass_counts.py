@@ -4,6 +4,7 @@ it with the GPU image's triton (3.6.0): layouts, and with them the counts, diffe
 releases (triton 3.9 puts the parallel kernel's 32 channels on shuffling lanes).
 
     PYTHONPATH=$PWD python benchmarks/results/kernels/state_lanes/sass_counts.py
+    STATE_LANES_KERNEL=<the b521457 kernel file> ... sass_counts.py   # the first layout
 
 (here: triton 3.6.0 installed on its own ahead of the environment's, `PYTHONPATH=<triton 3.6 site-packages>:$PWD`).
 
@@ -24,7 +25,14 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import state_lanes_kernel as lanes  # noqa: E402
+# STATE_LANES_KERNEL: another file of the kernels to count (the first layout: git show b521457:<this folder>/state_lanes_kernel.py)
+if os.environ.get("STATE_LANES_KERNEL"):
+    import importlib.util
+    _spec = importlib.util.spec_from_file_location("state_lanes_kernel", os.environ["STATE_LANES_KERNEL"])
+    lanes = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(lanes)
+else:
+    import state_lanes_kernel as lanes  # noqa: E402
 from ssmshard.kernels.selective_scan_fwd import scan_fwd_kernel  # noqa: E402
 from ssmshard.kernels.selective_scan_fwd_parallel import scan_fwd_parallel_kernel  # noqa: E402
 
@@ -50,12 +58,27 @@ def compile_sass(kernel, constants: dict, num_warps: int) -> tuple[str, str]:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=fixed, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    global conversions_in_loops
+    conversions_in_loops = _conversions_in_loops(compiled.asm["ttgir"])
     path = "/tmp/state_lanes_probe.cubin"
     with open(path, "wb") as f:
         f.write(compiled.asm["cubin"])
     usage = subprocess.run([f"{BIN}/cuobjdump", "--dump-resource-usage", path], capture_output=True, text=True).stdout
     regs = re.search(r"REG:(\d+)", usage).group(1)
     return subprocess.run([f"{BIN}/cuobjdump", "-sass", path], capture_output=True, text=True).stdout, regs
+
+
+def _conversions_in_loops(ttgir: str) -> int:
+    """Layout conversions (``ttg.convert_layout``) inside the TTGIR's loops."""
+    depth = count = 0
+    for line in ttgir.splitlines():
+        depth += "scf.for" in line
+        count += depth > 0 and "convert_layout" in line
+        depth -= depth > 0 and line.strip().startswith("scf.yield")
+    return count
+
+
+conversions_in_loops = 0  # of the last compile_sass
 
 
 def longest_loop(sass: str) -> list[str]:
@@ -75,7 +98,8 @@ def report(label, kernel, constants, num_warps, elements_per_thread):
     loop = longest_loop(sass)
     ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in loop)
     print(f"{label:<44} {regs:>4} regs  {len(loop):>4} instr / {elements_per_thread:>2} elements = "
-          f"{len(loop) / elements_per_thread:5.1f}  (SHFL {ops['SHFL']}, MUFU {ops['MUFU']}, BAR {ops['BAR']})")
+          f"{len(loop) / elements_per_thread:5.1f}  (SHFL {ops['SHFL']}, MUFU {ops['MUFU']}, BAR {ops['BAR']}; "
+          f"layout conversions in loops {conversions_in_loops})")
 
 
 FLAGS = dict(HAS_D=True, HAS_Z=True, HAS_BIAS=True, SOFTPLUS=True, HAS_INIT=False, STORE_FINAL=False)

@@ -20,6 +20,18 @@ from ssmshard.kernels.scan_common import LOG2E, discretise, linear_recurrence_co
 
 
 @triton.jit
+def _tokens_in_thread(per_lane, BLOCK_D: tl.constexpr, T: tl.constexpr):
+    """(LANES, BLOCK_D, 1, 1) values, token t0 + lane on each lane, as (1, BLOCK_D, 1, T) tokens."""
+    return tl.reshape(tl.permute(per_lane, (1, 2, 3, 0)), (1, BLOCK_D, 1, T))
+
+
+@triton.jit
+def _token_per_lane(in_thread):
+    """(1, BLOCK_D, 1, T) back to (T, BLOCK_D, 1, 1): token t0 + lane on each lane."""
+    return tl.permute(in_thread, (3, 1, 2, 0))
+
+
+@triton.jit
 def _program_setup(
     u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, init_ptr, y_ptr, e, n,
     su_b, su_d, sdl_b, sdl_d, sA_d, sA_n, sB_b, sB_g, sC_b, sC_g, sz_b, sz_d, sy_b, sy_d, si_s, si_d, si_n,
@@ -27,7 +39,7 @@ def _program_setup(
     BLOCK_D: tl.constexpr, LANES: tl.constexpr, NJ: tl.constexpr,
 ):
     """What both kernels set up once per program (one channel block of one batch row): the
-    (NJ, BLOCK_D, LANES, 1) state indices, mask, A * log2(e) and starting state; the per-channel
+    (LANES, BLOCK_D, NJ, 1) state indices, mask, A * log2(e) and starting state; the per-channel
     bias and D; the row pointers of the per-token tensors and of B and C."""
     pid_blk = tl.program_id(0)
     blocks_per_group = tl.cdiv(e, BLOCK_D)
@@ -38,9 +50,9 @@ def _program_setup(
     b64 = tl.program_id(1).to(tl.int64)
     ch4 = ch64[None, :, None, None]
     cm4 = ch_mask[None, :, None, None]
-    lane4 = tl.arange(0, LANES)[None, None, :, None]
-    n4 = tl.arange(0, NJ)[:, None, None, None] * LANES + lane4
-    state_mask = cm4 & (n4 < n)  # (NJ, BLOCK_D, LANES, 1)
+    lane4 = tl.arange(0, LANES)[:, None, None, None]
+    n4 = tl.arange(0, NJ)[None, None, :, None] * LANES + lane4
+    state_mask = cm4 & (n4 < n)  # (LANES, BLOCK_D, NJ, 1)
     A2 = tl.load(A_ptr + ch4 * sA_d + n4 * sA_n, mask=state_mask, other=0.0).to(tl.float32) * LOG2E
     bias4 = tl.zeros((1, BLOCK_D, 1, 1), dtype=tl.float32)
     if HAS_BIAS:
@@ -48,7 +60,7 @@ def _program_setup(
     D4 = tl.zeros((1, BLOCK_D, 1, 1), dtype=tl.float32)
     if HAS_D:
         D4 = tl.load(D_ptr + ch4, mask=cm4, other=0.0).to(tl.float32)
-    state = tl.zeros((NJ, BLOCK_D, LANES, 1), dtype=tl.float32)
+    state = tl.zeros((LANES, BLOCK_D, NJ, 1), dtype=tl.float32)
     if HAS_INIT:
         state = tl.load(init_ptr + b64 * si_s + ch4 * si_d + n4 * si_n, mask=state_mask, other=0.0).to(tl.float32)
     rows = (u_ptr + b64 * su_b + ch4 * su_d, delta_ptr + b64 * sdl_b + ch4 * sdl_d,
@@ -85,13 +97,13 @@ def scan_fwd_lanes_kernel(
             if SPREAD:
                 # The per-token work (softplus, gating) once per (channel, token): token t0 + lane
                 # on each state lane, then the tokens moved into every lane's registers.
-                tp = t0 + lane4  # (1, 1, LANES, 1), LANES == T
+                tp = t0 + lane4  # (LANES, 1, 1, 1), LANES == T
                 pm = cm4 & token_mask(tp, l, phase == 0)
                 u_p = tl.load(u_rows + tp * su_l, mask=pm, other=0.0).to(tl.float32)
                 delta_p = tl.load(delta_rows + tp * sdl_l, mask=pm, other=0.0).to(tl.float32)
                 dt_p = tl.where(pm, discretise(delta_p, bias4, SOFTPLUS), 0.0)
-                dt = tl.reshape(dt_p, (1, BLOCK_D, 1, T))
-                dtu = tl.reshape(dt_p * u_p, (1, BLOCK_D, 1, T))
+                dt = _tokens_in_thread(dt_p, BLOCK_D, T)
+                dtu = _tokens_in_thread(dt_p * u_p, BLOCK_D, T)
             else:
                 tile_mask = cm4 & tm4 & (lane4 >= 0)
                 u = tl.load(u_rows + t4 * su_l + 0 * lane4, mask=tile_mask, other=0.0).to(tl.float32)
@@ -106,9 +118,9 @@ def scan_fwd_lanes_kernel(
             _, h = tl.associative_scan((decay, x), 3, linear_recurrence_combine)
             state = tl.sum(tl.where(tv4 == T - 1, h, -0.0), axis=3, keep_dims=True)
             C = tl.load(C_row + 0 * ch4 + n4 * sC_n + t4, mask=bc_mask, other=0.0)
-            y = tl.sum(tl.sum(h * C, axis=0, keep_dims=True), axis=2, keep_dims=True)  # (1, BLOCK_D, 1, T)
+            y = tl.sum(tl.sum(h * C, axis=2, keep_dims=True), axis=0, keep_dims=True)  # (1, BLOCK_D, 1, T)
             if SPREAD:
-                y = tl.reshape(y, (1, BLOCK_D, T, 1))
+                y = _token_per_lane(y)
                 if HAS_D:
                     y += D4 * u_p
                 if HAS_Z:
@@ -199,15 +211,15 @@ def scan_fwd_lanes_pf_kernel(
             pm = cm4 & token_mask(tp, l, phase == 0)
             u_p = u_p.to(tl.float32)
             dt_p = tl.where(pm, discretise(delta_p.to(tl.float32), bias4, SOFTPLUS), 0.0)
-            dt = tl.reshape(dt_p, (1, BLOCK_D, 1, T))
-            dtu = tl.reshape(dt_p * u_p, (1, BLOCK_D, 1, T))
+            dt = _tokens_in_thread(dt_p, BLOCK_D, T)
+            dtu = _tokens_in_thread(dt_p * u_p, BLOCK_D, T)
             decay = tl.exp2(dt * A2)
             x = dtu * B
             x = tl.where(tv4 == 0, x + decay * state, x)
             _, h = tl.associative_scan((decay, x), 3, linear_recurrence_combine)
             state = tl.sum(tl.where(tv4 == T - 1, h, -0.0), axis=3, keep_dims=True)
-            y = tl.sum(tl.sum(h * C, axis=0, keep_dims=True), axis=2, keep_dims=True)
-            y = tl.reshape(y, (1, BLOCK_D, T, 1))
+            y = tl.sum(tl.sum(h * C, axis=2, keep_dims=True), axis=0, keep_dims=True)
+            y = _token_per_lane(y)
             if HAS_D:
                 y += D4 * u_p
             if HAS_Z:
