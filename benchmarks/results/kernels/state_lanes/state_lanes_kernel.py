@@ -4,14 +4,15 @@ GPU idle at one channel per thread (README.md beside this file has the measureme
 
 Dimension letters: d channels, n state size (NJ * LANES, padded to a power of two), l tokens,
 T tokens of one tile. A program owns BLOCK_D channels of one batch row; its tiles are
-(NJ, BLOCK_D, LANES, T): a channel's n states sit on LANES lanes, NJ in each lane's registers,
+(LANES, BLOCK_D, NJ, T): a channel's n states sit on LANES lanes, NJ in each lane's registers,
 with the tile's T tokens in-thread (the B / C loads, 16-byte vectors along the tokens, give
-that layout). y sums the states (NJ in-thread, then LANES by shuffles).
+that layout; the axes are in the order Triton 3.6 fills lanes, dimension 0 first after the
+vector's: README.md, "Two layouts"). y sums the states (NJ in-thread, then LANES by shuffles).
 
 SPREAD (T == LANES): the per-(channel, token) work (softplus of delta, D * u, the z gate) runs
 once per channel and token, token t0 + lane on each state lane, instead of on every lane; the
-tokens then move into every lane's registers by a reshape (a layout conversion through shared
-memory). ``scan_fwd_lanes_pf_kernel`` is the SPREAD form with the next tile's loads issued
+tokens then move into every lane's registers by a permute and reshape (a layout conversion
+through shared memory). ``scan_fwd_lanes_pf_kernel`` is the SPREAD form with the next tile's loads issued
 before the current tile's arithmetic. Unpacked rows, no checkpoints, inference only.
 """
 import triton
