@@ -50,6 +50,17 @@ def discretise(delta, bias, SOFTPLUS: tl.constexpr):
 
 
 @triton.jit
+def channel_block(pid_blk, blocks_per_group, e, BLOCK_D: tl.constexpr):
+    """The channels of program ``pid_blk`` when each group of ``e`` channels (the channels that
+    read one group of B / C) is split into ``blocks_per_group`` blocks of BLOCK_D:
+    (group, block within the group, channel indices, their mask, the indices as int64)."""
+    grp = pid_blk // blocks_per_group
+    blk = pid_blk % blocks_per_group
+    in_group = blk * BLOCK_D + tl.arange(0, BLOCK_D)
+    ch = grp * e + in_group
+    return grp, blk, ch, in_group < e, ch.to(tl.int64)
+
+@triton.jit
 def column(tile, cols, i):
     """Column i of a (rows, cols) register tile, as a (rows,) vector.
 

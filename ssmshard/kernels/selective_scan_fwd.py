@@ -30,6 +30,7 @@ import triton.language as tl
 from ssmshard.kernels.scan_common import (
     LOG2E,
     boundaries,
+    channel_block,
     column,
     discretise,
     linear_recurrence_combine,
@@ -181,12 +182,7 @@ def scan_fwd_kernel(
     pid_blk = tl.program_id(0)
     pid_b = tl.program_id(1)
     pid_seg = tl.program_id(2)
-    blocks_per_group = tl.cdiv(e, BLOCK_D)
-    grp = pid_blk // blocks_per_group
-    in_group = (pid_blk % blocks_per_group) * BLOCK_D + tl.arange(0, BLOCK_D)
-    ch_mask = in_group < e
-    ch = grp * e + in_group  # (BLOCK_D,) channel indices
-    ch64 = ch.to(tl.int64)
+    grp, _, ch, ch_mask, ch64 = channel_block(pid_blk, tl.cdiv(e, BLOCK_D), e, BLOCK_D)  # (BLOCK_D,) channels
     b64 = pid_b.to(tl.int64)
     tv = tl.arange(0, V)
     cols = tl.arange(0, N_PAD)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ssmshard.kernels.scan_common import (LOG2E, boundaries, discretise, linear_recurrence_combine, tile_phase,
+from ssmshard.kernels.scan_common import (LOG2E, boundaries, channel_block, discretise, linear_recurrence_combine, tile_phase,
                                           token_mask)
 
 
@@ -202,12 +202,7 @@ def scan_fwd_parallel_kernel(
     pid_blk = tl.program_id(0)
     pid_b = tl.program_id(1)
     pid_seg = tl.program_id(2)
-    blocks_per_group = tl.cdiv(e, BLOCK_D)
-    grp = pid_blk // blocks_per_group
-    in_group = (pid_blk % blocks_per_group) * BLOCK_D + tl.arange(0, BLOCK_D)
-    ch_mask = in_group < e
-    ch = grp * e + in_group  # (BLOCK_D,) channel indices
-    ch64 = ch.to(tl.int64)
+    grp, _, ch, ch_mask, ch64 = channel_block(pid_blk, tl.cdiv(e, BLOCK_D), e, BLOCK_D)  # (BLOCK_D,) channels
     b64 = pid_b.to(tl.int64)
     tv = tl.arange(0, T)
     nv = tl.arange(0, N_PAD)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ssmshard.kernels.scan_common import LOG2E, discretise, token_mask
+from ssmshard.kernels.scan_common import LOG2E, channel_block, discretise, token_mask
 from ssmshard.kernels.selective_scan_fwd_parallel import _state_tile_ptrs, load_bc, load_tokens
 
 
@@ -57,12 +57,7 @@ def segment_end_kernel(
     pid_blk = tl.program_id(0)
     pid_b = tl.program_id(1)
     pid_seg = tl.program_id(2)
-    blocks_per_group = tl.cdiv(e, BLOCK_D)
-    grp = pid_blk // blocks_per_group
-    in_group = (pid_blk % blocks_per_group) * BLOCK_D + tl.arange(0, BLOCK_D)
-    ch_mask = in_group < e
-    ch = grp * e + in_group
-    ch64 = ch.to(tl.int64)
+    grp, _, ch, ch_mask, ch64 = channel_block(pid_blk, tl.cdiv(e, BLOCK_D), e, BLOCK_D)
     b64 = pid_b.to(tl.int64)
     tv = tl.arange(0, T)
     nv = tl.arange(0, N_PAD)

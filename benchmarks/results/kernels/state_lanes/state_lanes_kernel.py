@@ -17,7 +17,7 @@ before the current tile's arithmetic. Unpacked rows, no checkpoints, inference o
 """
 import triton
 import triton.language as tl
-from ssmshard.kernels.scan_common import LOG2E, discretise, linear_recurrence_combine, tile_phase, token_mask
+from ssmshard.kernels.scan_common import LOG2E, channel_block, discretise, linear_recurrence_combine, tile_phase, token_mask
 
 
 @triton.jit
@@ -43,11 +43,7 @@ def _program_setup(
     (LANES, BLOCK_D, NJ, 1) state indices, mask, A * log2(e) and starting state; the per-channel
     bias and D; the row pointers of the per-token tensors and of B and C."""
     pid_blk = tl.program_id(0)
-    blocks_per_group = tl.cdiv(e, BLOCK_D)
-    grp = pid_blk // blocks_per_group
-    in_group = (pid_blk % blocks_per_group) * BLOCK_D + tl.arange(0, BLOCK_D)
-    ch_mask = in_group < e
-    ch64 = (grp * e + in_group).to(tl.int64)
+    grp, _, _, ch_mask, ch64 = channel_block(pid_blk, tl.cdiv(e, BLOCK_D), e, BLOCK_D)
     b64 = tl.program_id(1).to(tl.int64)
     ch4 = ch64[None, :, None, None]
     cm4 = ch_mask[None, :, None, None]
