@@ -51,6 +51,8 @@ Glossary:
                 ``static_decode_s`` (the static-K/V decode program, attention families),
                 ``lazy_forward`` (``--lazy-forward``: ``parallelize`` laid the weights out from the
                 prefill program, which ``parallelize_s`` then includes, and captured no forward),
+                ``programs_loaded`` / ``programs_stored`` (``--program-cache DIR``: the generation
+                programs this process read from the program cache, and those it built and wrote),
                 ``all_capture_s`` / ``all_passes_s`` (capture
                 and passes over all of these), and ``first_generate_s`` / ``steady_generate_s``
                 of a 2-token batch-1 generation (the difference is the first use's cost: the
@@ -270,7 +272,7 @@ class DecodeBench:
                 started = time.perf_counter()
                 dm = ssmshard.parallelize(model, ssmshard.Plan(tp=1, skip_passes=self.args.skip_passes,
                                                                ssm_state_dtype=self.args.ssm_state_dtype),
-                                          lazy_forward=self.args.lazy_forward)
+                                          lazy_forward=self.args.lazy_forward, program_cache=self.args.program_cache)
                 synchronize(self.device)
                 row["parallelize_s"] = time.perf_counter() - started
                 row.update(parallelize_capture_s=inside["capture"], parallelize_passes_s=inside["shard_program"])
@@ -290,6 +292,9 @@ class DecodeBench:
         # The prefill program names the same kernels, and a lazy forward's module has built no other.
         self.rec.write("start", model=name, params=params, layers=model.config.num_hidden_layers, **row,
                        lazy_forward=self.args.lazy_forward,
+                       **({} if dm.program_cache is None else
+                          {"programs_loaded": sorted(dm.program_cache.loaded),
+                           "programs_stored": sorted(dm.program_cache.stored)}),
                        kernels=sorted({f"{r['op']}: {r['kernel'] or 'reference'}"
                                        for r in getattr(dm.prefill_program(), "kernel_report", [])}))
         return dm
@@ -525,6 +530,9 @@ def parse_args(argv=None):
     parser.add_argument("--lazy-forward", action="store_true",
                         help="parallelize(..., lazy_forward=True): weights laid out from the prefill program, "
                              "no forward program captured before the first forward call")
+    parser.add_argument("--program-cache", metavar="DIR",
+                        help="parallelize(..., program_cache=DIR): generation programs loaded from DIR where a "
+                             "previous process stored them (the start rows' programs_loaded / programs_stored)")
     parser.add_argument("--plot", metavar="DIR", help="plots and a summary table from DIR's rows")
     return parser.parse_args(argv)
 

@@ -109,6 +109,7 @@ def sharding_report(program, *, weights: bool = True, activations: bool = False)
                      f"{p.dtype:<8} {_bytes(p.bytes_per_token):>7} B/token  {p.name}"
                      + (f"  [{', '.join(notes)}]" if notes else ""))
     if activations:
+        program.require_values("the report of every op's local shape")
         lines.append(f"{'node':<40} {'op':<28} {'layer':>5} {'block':<9} {'role':<12} {'placement':<24} local shape")
         for node in program.graph.nodes:
             if node.op != "call_function" or "placement" not in node.meta:

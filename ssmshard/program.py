@@ -153,6 +153,8 @@ class Program:
         self.tagged = False  # set by the tag pass: every call_function node carries tags
         # The graph changed since its Python code was generated (passes.manager.regenerate_code).
         self.code_stale = False
+        # Loaded from the program cache (``program_store.py``): its nodes carry no fake values.
+        self.from_store = False
         self.shard: dict | None = None
         self.sync_points: list = []
         self.collectives: list[dict] = []
@@ -410,6 +412,13 @@ class Program:
     @property
     def graph(self) -> torch.fx.Graph:
         return self.graph_module.graph
+
+    def require_values(self, what: str) -> None:
+        """Raise where ``what`` would read the nodes' fake values, which a stored program lacks."""
+        if self.from_store:
+            raise ValueError(f"{what} reads every node's value, which a {self.mode} program loaded from the program "
+                             "cache does not keep (program_store.py); build the module without program_cache= "
+                             "for a program to rewrite or inspect")
 
     def node_count(self) -> int:
         return sum(1 for n in self.graph.nodes if n.op == "call_function")

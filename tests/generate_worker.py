@@ -151,7 +151,7 @@ _KEPT_ALIVE = []  # modules a worker leaves alive, as a user script's globals wo
 
 
 def graphed_vs_eager(rank, world, family, seed, out_path, leave_alive=False, layers=None, add_passes=(),
-                     lazy_forward=False):
+                     lazy_forward=False, program_cache=None):
     """Greedy tokens of eager and CUDA-graph decoding (twice: capture, then replay) on GPUs, and
     HF's; then the graph replayed across a batch whose rows finish at different steps.
     ``leave_alive``: return with the module (and its graphs) still alive, as a script's globals
@@ -159,14 +159,15 @@ def graphed_vs_eager(rank, world, family, seed, out_path, leave_alive=False, lay
     ``layers``: a model of that many decoder layers instead of the small model's own count, or a
     dict of config overrides (a hybrid's layer layout).
     ``add_passes``: opt-in passes the plan runs too (``Plan(add_passes=...)``). ``lazy_forward``:
-    ``parallelize``'s, the weights laid out from the prefill program."""
+    ``parallelize``'s, the weights laid out from the prefill program. ``program_cache``:
+    ``parallelize``'s too (with ``lazy_forward``); what the module loaded and stored is recorded."""
     from finishing_rows import finishing_rows
 
     overrides = {} if layers is None else layers if isinstance(layers, dict) else {"num_hidden_layers": layers}
     model = small_model(family, **overrides).cuda()
     try:
         dm = ssmshard.parallelize(model, ssmshard.Plan(tp=world, add_passes=list(add_passes)),
-                                  lazy_forward=lazy_forward)
+                                  lazy_forward=lazy_forward, program_cache=program_cache)
         ids, mask = left_padded_prompts(model.config.vocab_size, (5, 12, 9), seed)
         ids, mask = ids.cuda(), mask.cuda()
         eager = dm.generate(ids, mask, max_new_tokens=20, pad_token_id=PAD, cuda_graph=False)
@@ -185,7 +186,9 @@ def graphed_vs_eager(rank, world, family, seed, out_path, leave_alive=False, lay
             json.dump({"eager": eager.tolist(), "graphed": graphed.tolist(), "again": again.tolist(),
                        "hf": hf.tolist(), "finishing": finishing,
                        # Attention models graph the step over static key/value buffers.
-                       "static_graph": all(g.static is not None for g in dm._decode_graphs.values())}, f)
+                       "static_graph": all(g.static is not None for g in dm._decode_graphs.values()),
+                       "cache": None if dm.program_cache is None else
+                       {"loaded": sorted(dm.program_cache.loaded), "stored": sorted(dm.program_cache.stored)}}, f)
 
 
 def lazy_forward_from_a_checkpoint(rank, world, family, directory, seed, out_path):

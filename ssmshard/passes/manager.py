@@ -147,6 +147,7 @@ def run_pipeline(program, steps, *, skip: Iterable[str] = (), debug_dir: str | N
     at the end (nested graphs at once: the verifier's propagation calls them). With
     ``recompile=False`` the top-level module's code is left stale and the program says so
     (``program.code_stale``), for a caller that runs several pipelines and regenerates once."""
+    program.require_values("running passes")
     skip = frozenset(skip)
     debug_dir = debug_dir or os.environ.get("SSMSHARD_DUMP_DIR")
     shared = {} if shared is None else shared

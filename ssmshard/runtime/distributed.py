@@ -21,6 +21,7 @@ from ..plan import Plan, PlanError
 from ..token_layout import TokenLayout
 from .checkpoint import SafetensorsCheckpoint, match_checkpoint, read_local_weights, weights_to_hold
 from .pipeline import shard_program
+from .program_cache import ProgramCache
 
 _group_ids = itertools.count()
 
@@ -44,7 +45,7 @@ class DistributedModule(torch.nn.Module):
     """
 
     def __init__(self, program, weights: dict[str, torch.Tensor], plan: Plan, rank: int, *, model=None,
-                 shard_options=None, packed_program=None, captures=None, decode_graphs=None):
+                 shard_options=None, packed_program=None, captures=None, decode_graphs=None, program_cache=None):
         super().__init__()
         if program.mode not in ("forward", "prefill"):
             raise ValueError(f"a DistributedModule is built from its forward or prefill program, not {program.mode}")
@@ -55,6 +56,8 @@ class DistributedModule(torch.nn.Module):
         # callable(model, **capture options) -> Program: where the other programs come from
         # (default: ``capture``; a SimulatedMesh captures once for all its ranks).
         self._captures = captures
+        # Where generation programs are looked up before they are built (``program_cache.py``).
+        self.program_cache = program_cache
         self.packed_program = packed_program  # sharded like ``program``, over the same local weights
         self.plan = plan
         self.rank = rank
@@ -192,16 +195,14 @@ class DistributedModule(torch.nn.Module):
         if self._model is None:
             raise RuntimeError("this DistributedModule was built without its model; generation needs it")
         if "prefill" not in generation:
-            generation["prefill"] = shard_program(self._capture(mode="prefill"), self._model, self.plan,
-                                                  **self._shard_options)
+            generation["prefill"] = self._sharded("prefill", {"mode": "prefill"})
         if self.plan.tsp > 1:
             # Traced at 8 tokens per chunk: the tsp pass propagates shapes over the local chunks,
             # and where HF branches on the conv kernel (the conv state of a prefill shorter than
             # it is padded) a chunk's traced length must take the branch long prompts take.
             chunks = TokenLayout(0, self.plan.tsp, self.plan.tsp_order).chunks
-            traced = self._capture(mode="prefill", example_seq=8 * chunks)
-            generation["tsp_prefill"] = shard_program(traced, self._model, self.plan,
-                                                      sequence_sharded=True, **self._shard_options)
+            generation["tsp_prefill"] = self._sharded("tsp_prefill", {"mode": "prefill", "example_seq": 8 * chunks},
+                                                      sequence_sharded=True)
         self._generation = generation
 
     def prefill_program(self):
@@ -230,10 +231,22 @@ class DistributedModule(torch.nn.Module):
         the states as prefill places them and is checked to return them alike."""
         self._build_prefill()
         if name not in self._generation:
-            traced = self._capture(mode=mode, **capture_options)
-            self._generation[name] = shard_program(traced, self._model, self.plan, prefill=self._generation["prefill"],
-                                                   **self._shard_options)
+            self._generation[name] = self._sharded(name, {"mode": mode, **capture_options},
+                                                   prefill=self._generation["prefill"])
         return self._bound(self._generation[name])
+
+    def _sharded(self, kind, capture_options, **shard_options):
+        """Generation program ``kind``, captured with ``capture_options`` and sharded (with
+        ``shard_options`` besides the module's own), or read from the program cache."""
+        def build():
+            return shard_program(self._capture(**capture_options), self._model, self.plan,
+                                 **shard_options, **self._shard_options)
+
+        if self.program_cache is None or self._captures is not None:
+            return build()
+        return self.program_cache.program(kind, self._model, self.plan,
+                                          _cache_options(capture_options, shard_options, self._shard_options, self.plan),
+                                          self._shard_options["group"], build)
 
     def _capture(self, **options):
         """A fresh captured program of this module's model, for this rank to shard (a generation
@@ -273,6 +286,8 @@ class DistributedModule(torch.nn.Module):
                                        f"{fqn!r} {tuple(constant.shape)}, whose values a meta model does not have; "
                                        "build the model with real weights to generate")
                 constant = torch.empty(constant.shape, dtype=constant.dtype, device=device)
+            elif constant.device != device:  # e.g. read from the program cache onto another device: moved once
+                constant = program.constants[fqn] = constant.to(device)
             bound[fqn] = _local_part(constant, spec.placement, self.rank)
         program.weights = bound
         if program.capture_device != device:
@@ -466,7 +481,7 @@ class DistributedModule(torch.nn.Module):
 
 def parallelize(model, plan: Plan, *, group=None, device_mesh=None, checkpoint=None, device=None,
                 progress: bool = True, packed: bool = False, allow_unexpected_keys: bool = False,
-                lazy_forward: bool = False) -> DistributedModule:
+                lazy_forward: bool = False, program_cache=None) -> DistributedModule:
     """Shard ``model`` for this process's rank of ``group`` (default: the world).
 
     ``device_mesh``: a 1-D ``DeviceMesh`` whose ranks form the tensor-parallel group (instead
@@ -488,6 +503,14 @@ def parallelize(model, plan: Plan, *, group=None, device_mesh=None, checkpoint=N
     program, which the first ``generate`` runs anyway, and the forward program (``forward``,
     ``program``) is captured and sharded on first use. ``parallelize`` then exports one program
     fewer before the first token (docs/startup.md).
+
+    ``program_cache``: a folder (default: ``$SSMSHARD_PROGRAM_CACHE``; unset: none) where the
+    generation programs are stored once built, and from where a later process with the same
+    model, plan and code loads them instead of capturing and sharding them again
+    (``runtime/program_cache.py`` says what the key covers). With ``lazy_forward=True`` (and no
+    TSP) that includes the prefill program ``parallelize`` lays the weights out from; the forward
+    program is not cached.
+    ``module.program_cache.loaded`` and ``.stored`` list what this process found and wrote.
     """
     if packed and plan.tsp_order != "contiguous":
         raise PlanError(f"packed=True runs packed rows under Plan(tsp_order='contiguous') only, not "
@@ -498,10 +521,22 @@ def parallelize(model, plan: Plan, *, group=None, device_mesh=None, checkpoint=N
     # The program the weights are laid out from; a lazy forward's module starts from prefill's.
     plan.check_model(model)  # PlanError here, before any process-group work
     mode = "prefill" if lazy_forward else "forward"
-    program = capture(model, mode=mode, **plan.capture_options(mode))
+    cache = ProgramCache.of(program_cache)
+    name = f"ssmshard_tp{next(_group_ids)}"
+    stored = prefill_options = None
+    if cache is not None and lazy_forward and plan.tsp == 1:
+        # The prefill program the weights are laid out from may be a stored one, looked up by the
+        # rank and the kernels: what the group gives without any collective.
+        rank_group = _tensor_parallel_group(group, device_mesh)
+        prefill_options = _cache_options({"mode": "prefill"}, {}, {
+            "rank": dist.get_rank(rank_group),
+            "kernels": plan.kernel_choice(_weights_device(model, checkpoint, device, rank_group))}, plan)
+        stored = cache.load("prefill", model, plan, prefill_options, name)
+    program = stored if stored is not None else capture(model, mode=mode, **plan.capture_options(mode))
     # Captured before any process-group work too: a model packing cannot serve fails here.
     packed_program = capture(model, mode="forward", packed=True) if packed else None
-    placements = plan.layout(program, model)  # likewise
+    # likewise (a stored program was laid out by the process that built it)
+    placements = plan.layout(program, model) if stored is None else {f: s.placement for f, s in program.param_specs.items()}
     permutations = plan.weight_permutations(program, model)  # likewise
     source = keys = None
     if checkpoint is not None:
@@ -514,20 +549,20 @@ def parallelize(model, plan: Plan, *, group=None, device_mesh=None, checkpoint=N
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if world != plan.tp:
         raise PlanError(f"Plan(tp={plan.tp}) but the process group has {world} ranks; set tp={world}")
-    name = f"ssmshard_tp{next(_group_ids)}"
     register_group(name, _collective_backend(plan, group))
-    if source is not None and device is None:
-        gpu_only = "cpu" not in backends_by_device(group)  # an NCCL group: the slices go to this rank's GPU
-        device = torch.device("cuda", torch.cuda.current_device()) if gpu_only else torch.device("cpu")
-    weights_device = device if source is not None else next(model.parameters()).device
+    weights_device = _weights_device(model, checkpoint, device, group)
+    device = weights_device if source is not None else device
     check_backend_carries(group, weights_device)
     options = {"rank": rank, "group": name, "kernels": plan.kernel_choice(torch.device(weights_device))}
-    program = shard_program(program, model, plan, placements=placements, **options)
+    if stored is None:
+        program = shard_program(program, model, plan, placements=placements, **options)
+        if prefill_options is not None:
+            cache.store("prefill", model, plan, prefill_options, program, name)
     if packed_program is not None:
         # The same placements: both programs read one set of local weights.
         packed_program = shard_program(packed_program, model, plan, placements=placements, **options)
     module = functools.partial(DistributedModule, plan=plan, rank=rank, model=model, shard_options=options,
-                               packed_program=packed_program)
+                               packed_program=packed_program, program_cache=cache)
     # A lazy forward's module holds the model's own tensors only, which every program reads under
     # the same names; what export lifted into the prefill program beyond them (the empty key/value
     # tensors a cache starts from) stays that program's own (``DistributedModule._bound``), as the
@@ -539,6 +574,26 @@ def parallelize(model, plan: Plan, *, group=None, device_mesh=None, checkpoint=N
     else:
         weights = local_weights(program, placements, model, rank, permutations, lifted=not lazy_forward)
     return module(program, weights)
+
+
+def _weights_device(model, checkpoint, device, group) -> torch.device:
+    """Where this rank's weights will live: for a checkpoint ``device``, else this rank's GPU under
+    an NCCL group (the CPU otherwise); without one, the model's own device."""
+    if checkpoint is None:
+        return next(model.parameters()).device
+    if device is not None:
+        return torch.device(device)
+    gpu_only = "cpu" not in backends_by_device(group)  # an NCCL group: the slices go to this rank's GPU
+    return torch.device("cuda", torch.cuda.current_device()) if gpu_only else torch.device("cpu")
+
+
+def _cache_options(capture_options, shard_options, module_options, plan) -> dict:
+    """What, besides the model and the plan, decides a generation program: how it is captured
+    (the plan's capture options included) and sharded. The group's name is the loading module's
+    own; the prefill program a stateful one follows is decided by the same key."""
+    options = {**capture_options, **plan.capture_options(capture_options["mode"])}
+    options.update({k: v for k, v in {**shard_options, **module_options}.items() if k not in ("group", "prefill")})
+    return options
 
 
 def check_backend_carries(group, device) -> None:

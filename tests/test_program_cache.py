@@ -1,0 +1,129 @@
+"""The program cache (runtime/program_cache.py, program_store.py): generation programs stored by
+one process and loaded by the next give Hugging Face's tokens, are the programs building them
+again gives (node for node), and are found only under a key that covers what decides them."""
+
+import json
+import pytest
+import torch
+
+import ssmshard
+from ssmshard.runtime.program_cache import ProgramCache, Uncacheable
+
+from conftest import small_model
+from finishing_rows import check_finishing_rows
+import generate_worker
+import program_cache_worker
+
+
+def test_a_second_launch_loads_every_generation_program_and_generates_hf_tokens(tmp_path, fresh_seed):
+    """tp=2 over gloo, Zamba2 (a meta model read from a checkpoint; static-K/V, growing-cache and
+    chunked decode) and Mamba-2: the first launch stores prefill, chunk and decode programs (and the
+    static-K/V decode's), the second, in new processes, loads all of them and stores nothing; both
+    give HF's greedy tokens for a left-padded batch of prompts of different lengths, the same on
+    every rank; the loaded programs equal the programs the second launch builds again without the
+    cache, node for node."""
+    cache = tmp_path / "programs"
+    small_model("zamba2").save_pretrained(tmp_path / "zamba2")  # its module: a meta model read from it
+    runs = []
+    for launch, compare in enumerate((False, True)):
+        out = tmp_path / f"launch{launch}.json"
+        ssmshard.launch(program_cache_worker.cached_generation, 2, ["zamba2", "mamba2"], fresh_seed, str(cache),
+                        str(out), compare, {"zamba2": str(tmp_path / "zamba2")}, backend="gloo")
+        runs.append(json.loads(out.read_text()))
+    for first, second in zip(*runs):
+        where = f"{first['family']} (seed {fresh_seed})"
+        kinds = ["chunk", "decode", "prefill"] + (["static_decode"] if first["family"] == "zamba2" else [])
+        assert first["stored"] == [f"{k} rank 0" for k in kinds] and first["loaded"] == [], where
+        assert second["loaded"] == [f"{k} rank 0" for k in kinds] and second["stored"] == [], where
+        assert not any(first["from_store"].values()) and all(second["from_store"].values()), where
+        for result in (first, second):
+            assert len(result["hf"][0]) == max(program_cache_worker.PROMPT_LENGTHS) + program_cache_worker.NEW_TOKENS
+            for name, tokens in result["runs"].items():
+                assert tokens == result["hf"], f"{where}, {name}: {tokens} vs HF {result['hf']}"
+            assert result["same_on_all_ranks"], where
+        assert second["differing_programs"] == [], where
+        assert min(second["nodes"].values()) > 50, where
+
+
+def a_user_pass(program, ctx):
+    return program
+
+
+@pytest.mark.compat
+def test_key_covers_plan_model_code_and_environment_not_weights(monkeypatch):
+    """A key changes with the plan, the capture and shard options, the config, a weight's dtype, an
+    SSMSHARD_* variable and the passes registered; not with the weights' values. A plan holding
+    a lambda has no key."""
+    model = small_model("mamba2")
+    options = {"mode": "decode", "rank": 0, "kernels": "reference"}
+    key = ProgramCache.key("decode", model, ssmshard.Plan(tp=1), options)[0]
+    assert ProgramCache.key("decode", model, ssmshard.Plan(tp=1), dict(options))[0] == key  # stable
+    changed = {
+        "plan": ProgramCache.key("decode", model, ssmshard.Plan(tp=2), options),
+        "skip_passes": ProgramCache.key("decode", model, ssmshard.Plan(tp=1, skip_passes=["fuse_rmsnorm"]), options),
+        "state dtype": ProgramCache.key("decode", model, ssmshard.Plan(tp=1, ssm_state_dtype=torch.bfloat16), options),
+        "rank": ProgramCache.key("decode", model, ssmshard.Plan(tp=1), {**options, "rank": 1}),
+        "kernels": ProgramCache.key("decode", model, ssmshard.Plan(tp=1), {**options, "kernels": "triton"}),
+        "kind": ProgramCache.key("chunk", model, ssmshard.Plan(tp=1), options),
+        "config": ProgramCache.key("decode", small_model("mamba2", rms_norm_eps=1e-3), ssmshard.Plan(tp=1), options),
+    }
+    with torch.no_grad():
+        weight = next(model.parameters())
+        saved = weight.clone()
+        weight.add_(1.0)
+        assert ProgramCache.key("decode", model, ssmshard.Plan(tp=1), options)[0] == key  # values are not in it
+        weight.copy_(saved)
+    other = ssmshard.build_small_model("mamba2")  # not the shared test model: one weight changes dtype
+    first = next(other.parameters())
+    first.data = first.data.double()
+    changed["dtype"] = ProgramCache.key("decode", other, ssmshard.Plan(tp=1), options)
+    monkeypatch.setenv("SSMSHARD_FULL_PROPAGATION", "1")
+    changed["environment"] = ProgramCache.key("decode", model, ssmshard.Plan(tp=1), options)
+    monkeypatch.delenv("SSMSHARD_FULL_PROPAGATION")
+    ssmshard.passes.register("count_nodes_for_key_test", a_user_pass)
+    try:
+        changed["registered pass"] = ProgramCache.key("decode", model, ssmshard.Plan(tp=1), options)
+    finally:
+        ssmshard.passes.unregister("count_nodes_for_key_test")
+    assert ProgramCache.key("decode", model, ssmshard.Plan(tp=1), options)[0] == key
+    assert [what for what, (other_key, _) in changed.items() if other_key == key] == []
+    with pytest.raises(Uncacheable, match="lambda"):
+        ProgramCache.key("decode", model, ssmshard.Plan(tp=1, policy=lambda *a: None), options)
+
+
+@pytest.mark.compat
+def test_a_loaded_program_refuses_passes_and_an_unreadable_entry_is_built_again(tmp_path):
+    """A stored program keeps no fake values: running passes on it, or asking every op's shape, is a
+    clear error. An entry that cannot be read is named in a warning, and the program is built (and
+    stored) again, with HF's tokens."""
+    out = tmp_path / "result.json"
+    ssmshard.launch(program_cache_worker.refusals_and_unreadable_entries, 1, str(tmp_path / "programs"), str(out),
+                    backend="gloo")
+    result = json.loads(out.read_text())
+    assert result["first_stored"] == ["prefill rank 0"]
+    assert result["loaded"] == ["prefill rank 0"] and result["from_store"]
+    for what in ("passes", "report"):
+        assert result[what] is not None and "program cache" in result[what], (what, result[what])
+    assert result["loaded_tokens_equal_hf"]
+    assert any("could not be loaded" in message for message in result["warnings"]), result["warnings"]
+    assert result["rebuilt_stored"] == ["prefill rank 0"] and not result["rebuilt_from_store"]
+    assert result["rebuilt_tokens_equal_hf"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("family", ["mamba", "falcon_mamba", "mamba2", "zamba", "zamba2", "llama"])
+def test_loaded_programs_graph_their_decode_on_a_gpu(family, tmp_path, fresh_seed):
+    """The GPU plan (Triton kernels, decode rewrites, CUDA-graph decode, attention models over static
+    key/value buffers): a second process loads the programs the first stored, and both give
+    eager's and HF's tokens graphed, finishing rows included."""
+    cache = str(tmp_path / "programs")
+    for launch in ("stores", "loads"):
+        out = tmp_path / f"tokens_{launch}.json"
+        ssmshard.launch(generate_worker.graphed_vs_eager, 1, family, fresh_seed, str(out), False, None, (), True,
+                        cache, backend="nccl")
+        tokens = json.loads(out.read_text())
+        where = f"{family}, the process that {launch} (seed {fresh_seed})"
+        assert tokens["graphed"] == tokens["eager"] == tokens["again"] == tokens["hf"], where
+        check_finishing_rows(tokens["finishing"], where)
+        assert tokens["cache"]["loaded" if launch == "loads" else "stored"], (where, tokens["cache"])
+        assert not tokens["cache"]["stored" if launch == "loads" else "loaded"], (where, tokens["cache"])
