@@ -52,9 +52,6 @@ class ProgramStoreError(RuntimeError):
 
 def save_program(program: Program, group: str) -> bytes:
     """``program`` (a sharded program whose collectives run over process group ``group``) as bytes."""
-    if program.graph_module.graph._codegen.__class__ is not CodeGen:
-        raise ProgramStoreError(f"the {program.mode} program's graph generates its code with "
-                                f"{type(program.graph_module.graph._codegen).__name__}; only plain graphs are stored")
     if program.siblings:
         raise ProgramStoreError("a program with shape siblings is stored before its first call, not after")
     unpadded = program.unpadded
@@ -120,6 +117,9 @@ class _Ref:
 
 
 def _graph_data(graph_module: torch.fx.GraphModule, tensors: dict, prefix: str) -> dict:
+    if type(graph_module.graph._codegen) is not CodeGen:  # rebuilt graphs generate plain code
+        raise ProgramStoreError(f"graph {prefix!r} generates its code with {type(graph_module.graph._codegen).__name__}; "
+                                "only graphs with plain code generation are stored")
     attributes = {}
     nodes = []
     for node in graph_module.graph.nodes:

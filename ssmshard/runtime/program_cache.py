@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from ..program_store import ProgramStoreError, load_program, save_program
+from ..program_store import load_program, save_program
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +101,8 @@ class ProgramCache:
         try:
             key, parts = self.key(kind, model, plan, options)
             data = save_program(program, group)
-        except (Uncacheable, ProgramStoreError) as exc:
-            log.warning("program cache: the %s program is not stored: %s", kind, exc)
+        except Exception as exc:  # no key, or something in the program pickle refuses: it runs unstored
+            log.warning("program cache: the %s program is not stored: %s: %s", kind, type(exc).__name__, exc)
             return
         self.directory.mkdir(parents=True, exist_ok=True)
         for name, content in ((f"{key}.json", json.dumps(parts, indent=1).encode()), (f"{key}.pt", data)):
