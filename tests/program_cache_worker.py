@@ -117,3 +117,19 @@ def refusals_and_unreadable_entries(rank, world, cache, out_path):
                   rebuilt_tokens_equal_hf=torch.equal(rebuilt.generate(ids, max_new_tokens=4, static_kv=False), hf))
     with open(out_path, "w") as f:
         json.dump(result, f)
+
+
+def compiled_generation(rank, world, family, seed, cache, out_path):
+    """``Plan(compile=True)``: HF's greedy tokens from a module whose programs may come from the
+    cache, and what it loaded and stored."""
+    model = small_model(family)
+    dm = ssmshard.parallelize(model, ssmshard.Plan(tp=world, compile=True), lazy_forward=True, program_cache=cache)
+    ids, mask = left_padded_prompts(model.config.vocab_size, PROMPT_LENGTHS, seed)
+    options = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=PAD)
+    hf = hf_reference(lambda: model.generate(ids, attention_mask=mask, do_sample=False, **options))
+    ours = dm.generate(ids, mask, **options)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({"ours": ours.tolist(), "hf": hf.tolist(), "loaded": sorted(dm.program_cache.loaded),
+                       "stored": sorted(dm.program_cache.stored),
+                       "compilations": len(dm.decode_program().compilations)}, f)

@@ -45,6 +45,22 @@ def test_a_second_launch_loads_every_generation_program_and_generates_hf_tokens(
         assert min(second["nodes"].values()) > 50, where
 
 
+def test_compiled_programs_loaded_in_a_new_process_generate_hf_tokens(tmp_path, fresh_seed):
+    """``Plan(compile=True)``, Mamba-2, one rank: the process that loads the programs compiles them
+    and gives HF's tokens, as the one that stored them did. (A state writer's first call, made
+    inside the compiled graph in a loading process, once reached a lock Dynamo cannot enter.)"""
+    cache = str(tmp_path / "programs")
+    for launch in ("stores", "loads"):
+        out = tmp_path / f"{launch}.json"
+        ssmshard.launch(program_cache_worker.compiled_generation, 1, "mamba2", fresh_seed, cache, str(out),
+                        backend="gloo")
+        result = json.loads(out.read_text())
+        assert result["ours"] == result["hf"], (launch, fresh_seed)
+        assert result["compilations"] >= 1, launch
+        assert result["loaded" if launch == "loads" else "stored"] == ["decode rank 0", "prefill rank 0"], result
+        assert result["stored" if launch == "loads" else "loaded"] == [], result
+
+
 def a_user_pass(program, ctx):
     return program
 

@@ -16,7 +16,6 @@ dim, k conv width, s conv state length, S packed sequences.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 
@@ -28,27 +27,27 @@ class OpSignature:
     name: str  # the op is torch.ops.ssmshard.<name>
     schema: str  # "(arguments) -> returns", torch.library's schema language
     doc: str  # shapes and meaning, in the dimension letters above
+    # The parsed arguments (``torch._C.Argument``: name, type, default), in order.
+    arguments: tuple = dataclasses.field(init=False, repr=False, compare=False)
+    # ``(name, has a default, the default)`` per argument, as plain Python values. Both are made
+    # here, not on first use: ``bind`` runs inside compiled programs (the state writers), where
+    # Dynamo can neither call into ``torch._C.Argument`` nor enter the lock a ``cached_property``
+    # takes on its first access (first in a process whose programs came from the program cache).
+    _defaults: tuple = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        arguments = tuple(torch._C.parse_schema(self.qualname + self.schema).arguments)
+        object.__setattr__(self, "arguments", arguments)
+        object.__setattr__(self, "_defaults", tuple(
+            (a.name, a.has_default_value(), a.default_value if a.has_default_value() else None) for a in arguments))
 
     @property
     def qualname(self) -> str:
         return f"{NAMESPACE}::{self.name}"
 
-    @functools.cached_property
-    def arguments(self) -> tuple:
-        """The parsed arguments (``torch._C.Argument``: name, type, default), in order."""
-        return tuple(torch._C.parse_schema(self.qualname + self.schema).arguments)
-
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(a.name for a in self.arguments)
-
-    @functools.cached_property
-    def _defaults(self) -> tuple:
-        """``(name, has a default, the default)`` per argument, as plain Python values: ``bind``
-        runs inside compiled programs (the state writers), where Dynamo cannot call into
-        ``torch._C.Argument``."""
-        return tuple((a.name, a.has_default_value(), a.default_value if a.has_default_value() else None)
-                     for a in self.arguments)
 
     def bind(self, args, kwargs) -> dict:
         """``{argument name: value}`` of one call, schema defaults filled in."""
