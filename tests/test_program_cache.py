@@ -69,7 +69,7 @@ def a_user_pass(program, ctx):
 def test_key_covers_plan_model_code_and_environment_not_weights(monkeypatch):
     """A key changes with the plan, the capture and shard options, the config, a weight's dtype, an
     SSMSHARD_* variable and the passes registered; not with the weights' values. A plan holding
-    a lambda has no key."""
+    a lambda has no key. The folder is the argument's, else the environment's."""
     model = small_model("mamba2")
     options = {"mode": "decode", "rank": 0, "kernels": "reference"}
     key = ProgramCache.key("decode", model, ssmshard.Plan(tp=1), options)[0]
@@ -105,6 +105,12 @@ def test_key_covers_plan_model_code_and_environment_not_weights(monkeypatch):
     assert [what for what, (other_key, _) in changed.items() if other_key == key] == []
     with pytest.raises(Uncacheable, match="lambda"):
         ProgramCache.key("decode", model, ssmshard.Plan(tp=1, policy=lambda *a: None), options)
+    # Which folder: the argument, else $SSMSHARD_PROGRAM_CACHE; empty or unset is no cache.
+    monkeypatch.setenv("SSMSHARD_PROGRAM_CACHE", "")
+    assert ProgramCache.of(None) is None and ProgramCache.of("") is None
+    monkeypatch.setenv("SSMSHARD_PROGRAM_CACHE", "/tmp/programs")
+    assert str(ProgramCache.of(None).directory) == "/tmp/programs"
+    assert str(ProgramCache.of("elsewhere").directory) == "elsewhere"
 
 
 @pytest.mark.compat

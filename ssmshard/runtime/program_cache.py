@@ -68,7 +68,9 @@ class ProgramCache:
         ``$SSMSHARD_PROGRAM_CACHE`` (unset or empty: no cache)."""
         if isinstance(argument, ProgramCache):
             return argument
-        folder = argument if argument is not None else os.environ.get(ENVIRONMENT_VARIABLE) or None
+        folder = argument if argument is not None else os.environ.get(ENVIRONMENT_VARIABLE)
+        if folder is not None and not str(folder):
+            folder = None  # an empty name would be the working directory
         return None if folder is None else cls(folder)
 
     def load(self, kind: str, model, plan, options: dict, group: str):
