@@ -19,13 +19,12 @@ to process, is stored as a placeholder and given back as the loading module's ow
 
 Ops are stored by name (``aten::add.Tensor``) and looked up in ``torch.ops`` on loading;
 other callables (``operator.getitem``, ssmshard's Python helpers) by their importable name. A
-program holding anything else (a lambda a user pass inserted, a symbolic size in an argument)
-cannot be stored: :class:`ProgramStoreError` names it.
+program holding anything else cannot be stored: a symbolic size in an argument raises
+:class:`ProgramStoreError`, a lambda a user pass inserted pickle's own error, either naming it.
 """
 
 from __future__ import annotations
 
-import copy
 import io
 import pickle
 
@@ -99,10 +98,9 @@ def load_program(data: bytes, group: str) -> Program:
     unpadded = fields["unpadded"]
     program.unpadded = False
     if unpadded is not False:
-        variant = copy.copy(program)
-        variant.graph_module = _graph_module(unpadded, tensors)
-        variant.siblings, variant.unpadded = [], None
-        program.unpadded = variant
+        from .passes.unpadded import variant_of
+
+        program.unpadded = variant_of(program, _graph_module(unpadded, tensors))
     return program
 
 
@@ -213,7 +211,9 @@ _REFUSED = (torch.SymInt, torch.SymFloat, torch.SymBool, torch.Tensor, torch.fx.
 
 class _Pickler(pickle.Pickler):
     """Pickles a program's fields: the group's name becomes a placeholder; fake or real tensors,
-    symbolic sizes and nodes outside a graph's node list are refused (tensors travel apart)."""
+    symbolic sizes and nodes outside a graph's node list are refused (tensors travel apart). A
+    function pickle cannot name (a lambda, a closure) fails as pickle fails; the cache then warns
+    and leaves the program unstored."""
 
     def __init__(self, file, group: str):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
@@ -225,12 +225,6 @@ class _Pickler(pickle.Pickler):
         if isinstance(obj, _REFUSED):
             raise ProgramStoreError(f"a {type(obj).__name__} in the program's tables cannot be stored")
         return None
-
-    def reducer_override(self, obj):
-        if isinstance(obj, (type(lambda: 0),)) and ("<locals>" in obj.__qualname__ or obj.__name__ == "<lambda>"):
-            raise ProgramStoreError(f"the program refers to {obj.__qualname__}, a function defined inside another "
-                                    "(a pass registered as a closure or lambda): it cannot be stored")
-        return NotImplemented
 
 
 class _Unpickler(pickle.Unpickler):

@@ -90,7 +90,14 @@ def unpadded_variant(program):
         changed += rewrite_causal(graph)
     if not changed:
         return None
+    return variant_of(program, torch.fx.GraphModule(program.graph_module, graph))
+
+
+def variant_of(program, graph_module):
+    """A copy of ``program`` running ``graph_module``: the same weights, folded values and tables;
+    no shape siblings, compiled form or variant of its own. The program store rebuilds a stored
+    program's unpadded variant with it."""
     variant = copy.copy(program)
-    variant.graph_module = torch.fx.GraphModule(program.graph_module, graph)
+    variant.graph_module = graph_module
     variant._compiled, variant.siblings, variant.recapture, variant.unpadded = None, [], None, None
     return variant

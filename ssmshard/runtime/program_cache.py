@@ -179,12 +179,14 @@ def _registered_passes() -> dict:
 
 
 def _model_parts(model) -> dict:
+    from .checkpoint import _names_by_tensor
+
     config = model.config
-    tie = {}
+    aliases = _names_by_tensor(model)  # a tied tensor: first name first
     tensors = []
     named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
     for name, tensor in named:
-        first = tie.setdefault(id(tensor), name)
+        first = aliases[id(tensor)][0]
         tensors.append([name, list(tensor.shape), str(tensor.dtype), tensor.device.type,
                         bool(tensor.requires_grad), None if first == name else first])
     return {"class": f"{type(model).__module__}.{type(model).__qualname__}",
