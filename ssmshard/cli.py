@@ -1,10 +1,11 @@
-"""The ``ssmshard`` command line: ``ssmshard inspect MODEL``, ``ssmshard sensitivity MODEL`` and ``ssmshard demo``.
+"""The ``ssmshard`` command line: ``inspect MODEL``, ``sensitivity MODEL``, ``programs FOLDER``, ``demo``.
 
 ``inspect`` captures a model built on the meta device (no weights are allocated, so a
 config of any size works) and prints what the program holds. ``demo`` checks, on a tiny
 randomly initialised model, that the captured programs compute what Hugging Face eager does.
 ``sensitivity`` measures, on calibration tokens, what dropping each sync point (SPD) costs in
 perplexity at a tensor-parallel size, on a simulated mesh in this process (docs/spd.md).
+``programs`` lists a program cache folder and prunes what this installation can no longer load.
 
 A user error (a bad argument, an unknown model, an impossible plan, a combination the
 sharding rules do not support) prints one line ``error: ...`` and exits with status 2
@@ -297,6 +298,40 @@ def cmd_sensitivity(args) -> int:
     return 0
 
 
+def cmd_programs(args) -> int:
+    from .runtime.program_cache_entries import describe, entries, summary, unloadable_here
+
+    if not os.path.isdir(args.folder):
+        raise UserError(f"{args.folder} is not a folder (the one given to parallelize(program_cache=...) "
+                        "or $SSMSHARD_PROGRAM_CACHE)")
+    found = entries(args.folder)
+    gpus = {torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())} if torch.cuda.is_available() else set()
+    rows, stale = [], []
+    for entry in found:
+        row, mismatch = summary(entry), unloadable_here(entry)
+        here = "no: " + describe(mismatch) if mismatch else "yes"
+        if not mismatch and row["gpu"] is not None and row["gpu"] not in gpus:
+            here = f"on {row['gpu']} only"
+        rows.append((row["kind"], "" if row["rank"] is None else str(row["rank"]), row["model"], row["plan"],
+                     f"{row['megabytes']:.1f}", time.strftime("%Y-%m-%d %H:%M", time.localtime(row["stored"])), here))
+        if mismatch:
+            stale.append(entry)
+    total = sum(entry.bytes for entry in found) / 1e6
+    print(f"{args.folder}: {len(found)} programs, {total:.1f} MB; {len(stale)} stored by other code "
+          f"(another ssmshard, Python, torch, transformers or model source), which this installation cannot load")
+    if rows:
+        header = ("kind", "rank", "model", "plan", "MB", "stored", "loadable here")
+        widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+        for r in [header] + rows:
+            print("  ".join(cell.ljust(width) for cell, width in zip(r, widths)).rstrip())
+    if args.prune:
+        for entry in stale:
+            for path in entry.files:
+                path.unlink(missing_ok=True)
+        print(f"pruned {len(stale)} programs ({sum(e.bytes for e in stale) / 1e6:.1f} MB) stored by other code")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .capture import MODES
     from .families import BY_NAME
@@ -344,6 +379,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write the report as JSON")
     p.add_argument("--plot", metavar="PATH", help="write the sensitivity plot as PNG (needs matplotlib)")
     p.set_defaults(func=cmd_sensitivity)
+
+    p = sub.add_parser("programs", parents=[output], help="list a program cache folder; --prune what no longer loads",
+                       description="List the generation programs stored in FOLDER (parallelize(program_cache=FOLDER) "
+                                   "or $SSMSHARD_PROGRAM_CACHE): kind, rank, model, plan fields that differ from "
+                                   "Plan(), size, time, and whether this installation can load each; an entry "
+                                   "stored by other code (ssmshard sources, Python, torch, transformers, the "
+                                   "model's source files) can never be found again.")
+    p.add_argument("folder")
+    p.add_argument("--prune", action="store_true",
+                   help="delete the entries stored by other code (entries for another GPU are kept)")
+    p.set_defaults(func=cmd_programs)
 
     p = sub.add_parser("demo", parents=[output], help="capture a tiny model and check its programs against HF eager")
     p.add_argument("--family", choices=sorted(BY_NAME), default="mamba2")

@@ -149,3 +149,47 @@ def test_loaded_programs_graph_their_decode_on_a_gpu(family, tmp_path, fresh_see
         check_finishing_rows(tokens["finishing"], where)
         assert tokens["cache"]["loaded" if launch == "loads" else "stored"], (where, tokens["cache"])
         assert not tokens["cache"]["stored" if launch == "loads" else "loaded"], (where, tokens["cache"])
+
+
+@pytest.mark.compat
+def test_a_miss_names_what_differs_and_the_cli_lists_and_prunes_what_cannot_load(tmp_path, caplog, capsys):
+    """A lookup that misses logs the parts in which the closest stored entry of its kind differs
+    (the plan's tp, the rank); ``ssmshard programs DIR`` lists every entry with whether this
+    installation can load it, and ``--prune`` deletes exactly the entries stored by other code
+    (another torch here), nothing else."""
+    import logging
+
+    from ssmshard import cli
+
+    model, folder = small_model("mamba2"), tmp_path / "programs"
+    cache = ProgramCache(folder)
+    with caplog.at_level(logging.INFO, logger="ssmshard"):
+        assert cache.load("decode", model, ssmshard.Plan(tp=1), {"rank": 0}, "group") is None
+    assert "no decode program stored" in caplog.text
+    for kind in ("decode", "prefill"):
+        cache.store(kind, model, ssmshard.Plan(tp=1), {"rank": 0}, ssmshard.capture(model, mode=kind), "group")
+    assert cache.stored == ["decode rank 0", "prefill rank 0"]
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ssmshard"):
+        assert cache.load("decode", model, ssmshard.Plan(tp=2), {"rank": 1}, "group") is None
+    decode_key = ProgramCache.key("decode", model, ssmshard.Plan(tp=1), {"rank": 0})[0]
+    assert f"closest stored one ({decode_key}) differs in options.rank: 0 -> 1; plan.tp: 1 -> 2" in caplog.text
+
+    prefill_key = ProgramCache.key("prefill", model, ssmshard.Plan(tp=1), {"rank": 0})[0]
+    sidecar = folder / f"{prefill_key}.json"
+    parts = json.loads(sidecar.read_text())
+    parts["code"]["versions"]["torch"] = "0.0.1"  # as another installation would have stored it
+    sidecar.write_text(json.dumps(parts))
+    assert cli.main(["programs", str(folder)]) == 0
+    listing = capsys.readouterr().out
+    assert "2 programs" in listing and "1 stored by other code" in listing
+    decode_row, prefill_row = (next(line for line in listing.splitlines() if line.startswith(kind))
+                               for kind in ("decode", "prefill"))
+    assert "Mamba2ForCausalLM" in decode_row and decode_row.endswith("yes")
+    assert prefill_row.endswith(f"no: code.versions.torch: 0.0.1 -> {torch.__version__}")
+
+    assert cli.main(["programs", str(folder), "--prune"]) == 0
+    assert "pruned 1 programs" in capsys.readouterr().out
+    assert sorted(p.name for p in folder.iterdir()) == sorted([f"{decode_key}.json", f"{decode_key}.pt"])
+    assert cli.main(["programs", str(tmp_path / "absent")]) == 2

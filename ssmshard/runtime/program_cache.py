@@ -18,7 +18,9 @@ decides the program:
 Weights are not in the key: a program reads whatever weights the module holds. What it does not
 see is a change in code the key does not name (an edited file of transformers installed in place,
 a helper a user pass calls): delete the folder then. Entries are pickles; read only a folder you
-trust. Each entry is ``<key>.pt`` with ``<key>.json`` beside it, the key's parts in clear.
+trust. Each entry is ``<key>.pt`` with ``<key>.json`` beside it, the key's parts in clear: a miss
+logs where the closest entry differs, and ``ssmshard programs DIR`` lists and prunes the folder
+(``program_cache_entries.py``).
 
 The forward program is not cached: it is the program ``dm.program.report()`` and the sharding
 tools inspect, and a stored program keeps no fake values (``program_store.py``).
@@ -41,6 +43,7 @@ from pathlib import Path
 import torch
 
 from ..program_store import load_program, save_program
+from .program_cache_entries import closest, describe
 
 log = logging.getLogger(__name__)
 
@@ -76,12 +79,13 @@ class ProgramCache:
     def load(self, kind: str, model, plan, options: dict, group: str):
         """The stored program for this key, its collectives over ``group``; None if there is none."""
         try:
-            key, _ = self.key(kind, model, plan, options)
+            key, parts = self.key(kind, model, plan, options)
         except Uncacheable as exc:
             log.warning("program cache: the %s program is built, not looked up: %s", kind, exc)
             return None
         path = self.directory / f"{key}.pt"
         if not path.exists():
+            self._explain_miss(kind, parts)
             return None
         started = time.perf_counter()
         try:
@@ -97,6 +101,17 @@ class ProgramCache:
         self.loaded.append(f"{kind} rank {options.get('rank')}")
         log.info("program cache: loaded the %s program from %s in %.2fs", kind, path, time.perf_counter() - started)
         return program
+
+    def _explain_miss(self, kind: str, parts: dict) -> None:
+        """Log why nothing was found: the parts in which the closest stored entry of this kind
+        differs (an upgraded torch, another plan), so that a miss that should have been a hit
+        can be told from one that could not be."""
+        found = closest(self.directory, parts) if self.directory.is_dir() else None
+        if found is None:
+            log.info("program cache: no %s program stored in %s yet", kind, self.directory)
+        else:
+            log.info("program cache: no %s program for this key in %s; the closest stored one (%s) differs in %s",
+                     kind, self.directory, found[0].key, describe(found[1]))
 
     def store(self, kind: str, model, plan, options: dict, program, group: str) -> None:
         """Write ``program`` under its key (atomically: a reader sees the whole file or none)."""
@@ -195,18 +210,24 @@ def _model_parts(model) -> dict:
             "training": model.training, "tensors": tensors}
 
 
-def _code_parts(model) -> dict:
+def installation_parts() -> dict:
+    """The part of the code a key covers that does not depend on the model: ssmshard's sources
+    and the versions of Python and the packages."""
     versions = {"python": sys.version.split()[0], "torch": torch.__version__}
     for package in ("transformers", *_KERNEL_PACKAGES):
         try:
             versions[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
             versions[package] = None
+    return {"ssmshard": _package_digest(), "versions": versions}
+
+
+def _code_parts(model) -> dict:
     files = {cls.__module__: _file_digest(inspect.getsourcefile(cls)) for cls in (type(model), type(model.config))}
     gpu = None
     if any(p.is_cuda for p in model.parameters()):
         gpu = torch.cuda.get_device_name(next(p for p in model.parameters() if p.is_cuda).device)
-    return {"ssmshard": _package_digest(), "versions": versions, "model files": files, "gpu": gpu}
+    return {**installation_parts(), "model files": files, "gpu": gpu}
 
 
 @functools.lru_cache(maxsize=None)
