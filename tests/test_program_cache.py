@@ -189,7 +189,8 @@ def test_a_miss_names_what_differs_and_the_cli_lists_and_prunes_what_cannot_load
     assert "Mamba2ForCausalLM" in decode_row and decode_row.endswith("yes")
     assert prefill_row.endswith(f"no: code.versions.torch: 0.0.1 -> {torch.__version__}")
 
+    (folder / "notes.json").write_text("{}")  # not the cache's: listed nowhere, never pruned
     assert cli.main(["programs", str(folder), "--prune"]) == 0
     assert "pruned 1 programs" in capsys.readouterr().out
-    assert sorted(p.name for p in folder.iterdir()) == sorted([f"{decode_key}.json", f"{decode_key}.pt"])
+    assert sorted(p.name for p in folder.iterdir()) == sorted([f"{decode_key}.json", f"{decode_key}.pt", "notes.json"])
     assert cli.main(["programs", str(tmp_path / "absent")]) == 2

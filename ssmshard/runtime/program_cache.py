@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from ..program_store import load_program, save_program
-from .program_cache_entries import closest, describe
+from .program_cache_entries import KEY_LENGTH, closest, describe
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ class ProgramCache:
                  "code": _code_parts(model), "passes": _registered_passes(),
                  "environment": {name: value for name, value in sorted(os.environ.items())
                                  if name.startswith("SSMSHARD_") and name != ENVIRONMENT_VARIABLE}}
-        digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:40]
+        digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:KEY_LENGTH]
         return digest, parts
 
 

@@ -14,9 +14,11 @@ import dataclasses
 import importlib
 import inspect
 import json
+import re
 from pathlib import Path
 
 _ABSENT = "(absent)"
+KEY_LENGTH = 40  # hex digits of a key (ProgramCache.key)
 SHOWN_DIFFERENCES = 3  # a miss's log line names this many differing parts, then counts the rest
 
 
@@ -38,13 +40,18 @@ class Entry:
 
 
 def entries(directory) -> list[Entry]:
-    """The folder's entries, newest first; a ``.json`` that cannot be read is left out."""
+    """The folder's entries, newest first. Only ``<key>.json`` files that hold a key's parts count:
+    any other file (unreadable, or not the cache's) is left alone, by ``--prune`` too."""
     directory = Path(directory)
     found = []
     for sidecar in directory.glob("*.json"):
+        if not re.fullmatch(f"[0-9a-f]{{{KEY_LENGTH}}}", sidecar.stem):
+            continue
         try:
             parts = json.loads(sidecar.read_text())
         except (OSError, ValueError):
+            continue
+        if not (isinstance(parts, dict) and {"kind", "code", "plan", "model"} <= parts.keys()):
             continue
         program = sidecar.with_suffix(".pt")
         stat = program.stat() if program.exists() else sidecar.stat()
