@@ -175,6 +175,11 @@ def test_a_miss_names_what_differs_and_the_cli_lists_and_prunes_what_cannot_load
         assert cache.load("decode", model, ssmshard.Plan(tp=2), {"rank": 1}, "group") is None
     decode_key = ProgramCache.key("decode", model, ssmshard.Plan(tp=1), {"rank": 0})[0]
     assert f"closest stored one ({decode_key}) differs in options.rank: 0 -> 1; plan.tp: 1 -> 2" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ssmshard"):
+        half = ssmshard.build_small_model("mamba2").to(torch.bfloat16)  # not the shared test model
+        assert cache.load("decode", half, ssmshard.Plan(tp=1), {"rank": 0}, "group") is None
+    assert "model.tensors.backbone.embeddings.weight.dtype: torch.float32 -> torch.bfloat16" in caplog.text
 
     prefill_key = ProgramCache.key("prefill", model, ssmshard.Plan(tp=1), {"rank": 0})[0]
     sidecar = folder / f"{prefill_key}.json"

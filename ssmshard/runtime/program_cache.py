@@ -198,12 +198,12 @@ def _model_parts(model) -> dict:
 
     config = model.config
     aliases = _names_by_tensor(model)  # a tied tensor: first name first
-    tensors = []
+    tensors = {}  # by name, so that a miss reads "model.tensors.<name>.dtype: ..." (program_cache_entries.py)
     named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
     for name, tensor in named:
         first = aliases[id(tensor)][0]
-        tensors.append([name, list(tensor.shape), str(tensor.dtype), tensor.device.type,
-                        bool(tensor.requires_grad), None if first == name else first])
+        tensors[name] = {"shape": list(tensor.shape), "dtype": str(tensor.dtype), "device": tensor.device.type,
+                         "requires_grad": bool(tensor.requires_grad), "tied to": None if first == name else first}
     return {"class": f"{type(model).__module__}.{type(model).__qualname__}",
             "config": _canonical(config.to_dict()),
             "attention": str(getattr(config, "_attn_implementation", None)),

@@ -128,13 +128,13 @@ def summary(entry: Entry) -> dict:
 
 
 def _as_mapping(value):
-    """A canonical dict (a list of [key, value] pairs, ``program_cache._canonical``) or a list of
-    named rows (``[name, ...]``, the model's tensors) as a dict, so that paths read by name."""
-    if isinstance(value, list) and value and all(isinstance(row, list) and row and isinstance(row[0], str)
+    """A canonical dict (``program_cache._canonical``: a list of [key, value] pairs) with string keys
+    as a dict, so that paths read by name (``model.config.rms_norm_eps``)."""
+    if isinstance(value, list) and value and all(isinstance(row, list) and len(row) == 2 and isinstance(row[0], str)
                                                  for row in value):
         names = [row[0] for row in value]
         if len(set(names)) == len(names):
-            return {row[0]: row[1] if len(row) == 2 else row[1:] for row in value}
+            return dict(value)
     return value
 
 
