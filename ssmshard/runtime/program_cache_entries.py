@@ -32,7 +32,7 @@ class Entry:
 
     @property
     def kind(self) -> str:
-        return self.parts.get("kind", "?")
+        return self.parts["kind"]  # entries() admits only parts with a kind, code, plan and model
 
     @property
     def files(self) -> list[Path]:
@@ -95,7 +95,7 @@ def unloadable_here(entry: Entry) -> list[tuple[str, object, object]]:
     entries for other GPUs."""
     from .program_cache import _file_digest, installation_parts
 
-    code = entry.parts.get("code", {})
+    code = entry.parts["code"]
     found = differences({name: code.get(name) for name in ("ssmshard", "versions")}, installation_parts(), "code")
     for module, digest in code.get("model files", {}).items():
         try:
@@ -113,18 +113,18 @@ def summary(entry: Entry) -> dict:
     from ..plan import Plan
     from .program_cache import _canonical
 
-    model = entry.parts.get("model", {})
+    model = entry.parts["model"]
     config = _as_mapping(model.get("config", []))
     config = config if isinstance(config, dict) else {}
     layers = config.get("num_hidden_layers", config.get("n_layer"))
-    plan = [(path, value) for path, _, value in differences(_canonical(Plan()), entry.parts.get("plan", {}))
+    plan = [(path, value) for path, _, value in differences(_canonical(Plan()), entry.parts["plan"])
             if path != "type"]
     options = _as_mapping(entry.parts.get("options", []))
-    return {"key": entry.key, "kind": entry.kind,
+    return {"kind": entry.kind,
             "rank": options.get("rank") if isinstance(options, dict) else None,
             "model": model.get("class", "?").rsplit(".", 1)[-1] + (f", {layers} layers" if layers else ""),
             "plan": " ".join(f"{path}={_short(value)}" for path, value in plan) or "Plan()",
-            "megabytes": entry.bytes / 1e6, "stored": entry.stored, "gpu": entry.parts.get("code", {}).get("gpu")}
+            "megabytes": entry.bytes / 1e6, "stored": entry.stored, "gpu": entry.parts["code"].get("gpu")}
 
 
 def _as_mapping(value):
