@@ -133,18 +133,21 @@ def test_a_loaded_program_refuses_passes_and_an_unreadable_entry_is_built_again(
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("world", [pytest.param(1, id="tp1"), pytest.param(2, id="tp2", marks=pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="tensor-parallel CUDA graphs need 2 GPUs"))])
 @pytest.mark.parametrize("family", ["mamba", "falcon_mamba", "mamba2", "zamba", "zamba2", "llama"])
-def test_loaded_programs_graph_their_decode_on_a_gpu(family, tmp_path, fresh_seed):
+def test_loaded_programs_graph_their_decode_on_a_gpu(family, world, tmp_path, fresh_seed):
     """The GPU plan (Triton kernels, decode rewrites, CUDA-graph decode, attention models over static
-    key/value buffers): a second process loads the programs the first stored, and both give
-    eager's and HF's tokens graphed, finishing rows included."""
+    key/value buffers), at tp 1 and (on two GPUs, NCCL's all-reduces inside the graph) tp 2: a
+    second launch loads the programs the first stored, and both give eager's and HF's tokens
+    graphed, finishing rows included."""
     cache = str(tmp_path / "programs")
     for launch in ("stores", "loads"):
         out = tmp_path / f"tokens_{launch}.json"
-        ssmshard.launch(generate_worker.graphed_vs_eager, 1, family, fresh_seed, str(out), False, None, (), True,
-                        cache, backend="nccl")
+        ssmshard.launch(generate_worker.graphed_vs_eager, world, family, fresh_seed, str(out), False, None, (),
+                        True, cache, backend="nccl")
         tokens = json.loads(out.read_text())
-        where = f"{family}, the process that {launch} (seed {fresh_seed})"
+        where = f"{family} at tp {world}, the launch that {launch} (seed {fresh_seed})"
         assert tokens["graphed"] == tokens["eager"] == tokens["again"] == tokens["hf"], where
         check_finishing_rows(tokens["finishing"], where)
         assert tokens["cache"]["loaded" if launch == "loads" else "stored"], (where, tokens["cache"])

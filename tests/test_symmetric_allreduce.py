@@ -14,7 +14,7 @@ import symmetric_worker
 
 # 2 and 4 ranks, one GPU each, where the machine has them (tp 4 is what decode scaling needs).
 worlds = pytest.mark.parametrize("world", [
-    pytest.param(n, marks=pytest.mark.skipif(torch.cuda.device_count() < n, reason=f"needs {n} GPUs"))
+    pytest.param(n, id=f"tp{n}", marks=pytest.mark.skipif(torch.cuda.device_count() < n, reason=f"needs {n} GPUs"))
     for n in (2, 4)])
 
 
