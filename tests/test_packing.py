@@ -251,7 +251,7 @@ def _with_fresh_leaves(program):
     return program.weights
 
 
-PACKED_FAMILIES = ["mamba", "mamba2", "zamba2", "llama"]
+PACKED_FAMILIES = ["mamba", "falcon_mamba", "mamba2", "zamba", "zamba2", "llama"]
 
 # Gradient bounds (whole vector, per tensor), float32. Largest errors measured over random seeds
 # on the reference ops (sweeps of 200-500 seeds each): Mamba 1.1e-6 / 4.4e-5,

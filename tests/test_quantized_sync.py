@@ -27,7 +27,7 @@ from ssmshard.runtime.pipeline import shard_program
 from ssmshard.testing import rel_err
 
 import quantized_worker as worker
-from conftest import small_model
+from conftest import SIX_FAMILIES, small_model
 
 QMAX = {"int8": 127.0, "fp8": 448.0}
 DELTA = {"int8": 1 / 254, "fp8": 1 / 16}  # max |x - dequantized x| per unit of block max
@@ -249,10 +249,20 @@ def test_triton_kernels_equal_the_torch_codec(fmt, fresh_seed):
 
 
 # ----------------------------------------------------------------------------- the pass
+_CAPTURED = {}
+
+
+def captured_model(family):
+    """The small model of ``family`` and its forward program, captured once per process."""
+    if family not in _CAPTURED:
+        model = small_model(family)
+        _CAPTURED[family] = model, ssmshard.capture(model)
+    return _CAPTURED[family]
+
+
 @pytest.fixture(scope="module")
 def mamba():
-    model = small_model("mamba")  # 2 layers: sync points embed, layers.<i>.x_proj / out_proj, lm_head
-    return model, ssmshard.capture(model)
+    return captured_model("mamba")  # 2 layers: sync points embed, layers.<i>.x_proj / out_proj, lm_head
 
 
 def _rank_programs(model, captured, plan):
@@ -306,12 +316,22 @@ def quantized_value_tp_gradient(x, group, fmt, block, min_bytes, name):
     return _QuantizedValueTPGradient.apply(x, group, fmt, block, min_bytes, name)
 
 
-def test_pass_quantizes_every_all_reduce_logits_close_backward_exact(mamba, fresh_seed):
-    """Plan(tp=2, quantize_syncs="int8") on Mamba, simulated: every all-reduce sync point (and no
+# Each family's all-reduce sync points of layer 0 (its mixer's, then its MLP's where it has one).
+LAYER0_ALL_REDUCES = {"mamba": ["layers.0.x_proj", "layers.0.out_proj"],
+                      "falcon_mamba": ["layers.0.x_proj", "layers.0.out_proj"],
+                      "mamba2": ["layers.0.out_proj"],
+                      "zamba": ["layers.0.x_proj", "layers.0.out_proj"],
+                      "zamba2": ["layers.0.out_proj"],
+                      "llama": ["layers.0.o_proj", "layers.0.down_proj"]}
+
+
+@pytest.mark.parametrize("family", SIX_FAMILIES)
+def test_pass_quantizes_every_all_reduce_logits_close_backward_exact(family, fresh_seed):
+    """Plan(tp=2, quantize_syncs="int8"), simulated, each family: every all-reduce sync point (and no
     all-gather) becomes a quantized all-reduce; each call's error within the derived bound; logits
     within the first-order tolerance of TP and not equal to them; gradients equal bit for bit those
     of the same program run with TP's all-reduce backward, and the backward runs no quantized call."""
-    model, captured = mamba
+    model, captured = captured_model(family)
     tp = _rank_programs(model, captured, ssmshard.Plan(tp=2))
     quantized = _rank_programs(model, captured, ssmshard.Plan(tp=2, quantize_syncs="int8", quantize_min_bytes=0))
     gen = torch.Generator().manual_seed(fresh_seed)
@@ -321,7 +341,9 @@ def test_pass_quantizes_every_all_reduce_logits_close_backward_exact(mamba, fres
     points = quantized[0].sync_points
     chosen = [p.name for p in points if p.action == "quantized"]
     assert chosen == [p.name for p in points if p.kind == "all_reduce"] and "lm_head" not in chosen, points
-    assert {p.name for p in points if p.kind == "all_reduce"} >= {"embed", "layers.0.x_proj", "layers.1.out_proj"}
+    assert set(LAYER0_ALL_REDUCES[family]) <= set(chosen), chosen
+    layers = {name.split(".")[1] for name in chosen if name.startswith("layers.")}
+    assert layers == {str(i) for i in range(model.config.num_hidden_layers)}, chosen
     counts, tp_counts = quantized[0].op_counts(), tp[0].op_counts()
     assert counts["ssmshard.quantized_all_reduce"] == len(chosen), counts
     assert counts["ssmshard.all_reduce"] == tp_counts["ssmshard.all_reduce"] - len(chosen)  # training's tp_copy

@@ -107,6 +107,11 @@ CASES = {
     "mamba_out_proj": (lambda: small_model("mamba"), "layers.0.out_proj",
                        lambda m: ((m.backbone.layers[0].mixer.out_proj, 0),
                                   [(m.backbone.layers[1].mixer.x_proj, 0), (m.backbone.layers[1].mixer.out_proj, 0)])),
+    # Falcon-Mamba: as Mamba-1, with B, C and dt normalised after the next layer's x_proj sum.
+    "falcon_mamba_out_proj": (lambda: small_model("falcon_mamba"), "layers.0.out_proj",
+                              lambda m: ((m.backbone.layers[0].mixer.out_proj, 0),
+                                         [(m.backbone.layers[1].mixer.x_proj, 0),
+                                          (m.backbone.layers[1].mixer.out_proj, 0)])),
     # Zamba2: layer 1 runs the shared transformer (o_proj, down_proj) on the stream, then its mamba.
     "zamba2_out_proj": (lambda: small_model("zamba2"), "layers.0.out_proj",
                         lambda m: ((m.model.layers[0].mamba.out_proj, 0),
@@ -118,6 +123,10 @@ CASES = {
     "zamba2_shared_o_proj": (lambda: small_model("zamba2"), "layers.1.o_proj",
                              lambda m: ((m.model.layers[1].shared_transformer.self_attn.o_proj, 0),
                                         [(m.model.layers[1].shared_transformer.feed_forward.down_proj, 0)])),
+    # Zamba's shared block, the same way; its first call (layer 2) of two (layers 2 and 4).
+    "zamba_shared_o_proj": (lambda: small_model("zamba"), "layers.2.o_proj",
+                            lambda m: ((m.model.layers[2].shared_transf.self_attn.o_proj, 0),
+                                       [(m.model.layers[2].shared_transf.feed_forward.down_proj, 0)])),
 }
 
 
@@ -138,7 +147,8 @@ def skip_where_the_emulation_is_no_oracle(case, model):
 
 @pytest.mark.parametrize("case, tp", [("llama_o_proj", 2), pytest.param("llama_o_proj", 4, marks=pytest.mark.slow), ("llama_down_proj", 2),
                                       ("mamba2_out_proj", 2), ("mamba_out_proj", 2), ("zamba2_out_proj", 2),
-                                      ("zamba2_shared_o_proj", 2)])
+                                      ("zamba2_shared_o_proj", 2), ("falcon_mamba_out_proj", 2),
+                                      ("zamba_shared_o_proj", 2)])
 def test_spd_matches_the_emulation_from_hf_modules(case, tp, fresh_seed):
     """Logits equal the emulation (1e-5) and differ from exact TP; one all-reduce fewer; the
     placements stay consistent; every rank returns the same logits."""
