@@ -35,7 +35,7 @@ WITH_ATTENTION = [f for f in SIX_FAMILIES if BY_NAME[f].has_attention]
 
 @pytest.mark.parametrize("tp, families", [(1, TP1_FAMILIES),
                                          pytest.param(2, SSM_FAMILIES, marks=pytest.mark.compat),
-                                         pytest.param(2, WITH_ATTENTION, marks=pytest.mark.compat),
+                                         pytest.param(2, WITH_ATTENTION + ["qwen2"], marks=pytest.mark.compat),
                                          pytest.param(4, TP4_FAMILIES, marks=pytest.mark.slow),
                                          pytest.param(1, SIX_FAMILIES, marks=pytest.mark.slow)],
                          ids=["1", "2-ssm", "2-attention", "4", "1-all"])
@@ -43,7 +43,8 @@ def test_generate_matches_hf_generate_and_states_are_sharded(tp, families, tmp_p
     """Built with ``lazy_forward=True`` (the forward program is never captured; Mamba-2's and Llama's
     then built on a first forward call, HF's logits): greedy with the model's own generation
     config gives exactly HF's tokens for 3 left-padded prompts of different lengths, 20 new
-    tokens, ``families`` (all six over the tp = 2 tests);
+    tokens, ``families`` (all six over the tp = 2 tests, and Qwen2: a Llama-style decoder with
+    biased q/k/v projections);
     again with EOS ids the model emits early set in that config, so rows stop, are padded, and
     generation ends early. Sampling with a fixed seed (Mamba-2 and Zamba2, to keep the test
     short): the same tokens on every rank and as HF's sampling from the same seed (so tp = 2, 4
@@ -87,7 +88,7 @@ def test_generate_matches_hf_generate_and_states_are_sharded(tp, families, tmp_p
         for kind, share in zip(r["state_kinds"], r["states"]):
             if tp == 1:
                 assert share["local"] == share["global"], (where, kind, share)
-            elif kind in ("conv", "ssm") or r["family"] == "llama":
+            elif kind in ("conv", "ssm") or r["family"] in ("llama", "qwen2"):
                 # The small configs split every mixer channel/head and every kv head evenly
                 # (Mamba-2's 2 groups at tp = 4 sit two ranks per group: B/C rows shared).
                 assert share["sharded"], (where, kind, share)

@@ -21,6 +21,8 @@ FORWARD_CASES = [
     ("mamba2", {"n_groups": 4}, {}),
     ("llama", {}, {}),  # 2 kv heads: replicated at tp 4
     ("llama", {"num_key_value_heads": 1}, {"vocab_parallel": False}),
+    ("mistral", {}, {}),  # Llama-style decoders: Mistral (no sliding window here) and Qwen2
+    ("qwen2", {}, {}),  # (biased q/k/v projections: their biases split with the heads)
     ("zamba", {}, {}),  # 2 Mamba heads, each split by channel; shared attention at two call sites
     ("zamba2", {}, {}),  # shared attention block at two call sites, with adapters
     # A reduce policy supplied by the test: reduce_scatter + all_gather instead of all_reduce.
@@ -36,7 +38,9 @@ TP1_CASES = [case for i, case in enumerate(FORWARD_CASES) if case[0] not in {c[0
 # vocab-parallel head (Llama's second case has none either), four B/C groups (two a rank, split
 # as the default two are), the reduce policy on Zamba2 (Mamba-2 has it). All of them in the slow
 # set and at tp = 4.
-REPEATS_AT_TP2 = [FORWARD_CASES[1], FORWARD_CASES[5], FORWARD_CASES[11]]
+REPEATS_AT_TP2 = [("mamba", {}, {"vocab_parallel": False}), ("mamba2", {"n_groups": 4}, {}),
+                  ("zamba2", {}, {"policy": "reduce_scatter_then_gather"})]
+assert all(case in FORWARD_CASES for case in REPEATS_AT_TP2)
 TP2_CASES = [case for case in FORWARD_CASES if case not in REPEATS_AT_TP2]
 
 
