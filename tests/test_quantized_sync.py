@@ -325,6 +325,14 @@ LAYER0_ALL_REDUCES = {"mamba": ["layers.0.x_proj", "layers.0.out_proj"],
                       "llama": ["layers.0.o_proj", "layers.0.down_proj"]}
 
 
+# The largest ratio of the logits' error to the first-order tolerance below, measured over fresh
+# seeds (int8, tp 2, the forward alone): Mamba 0.17, Falcon-Mamba 0.46, Zamba 0.10 (300 seeds
+# each), Llama 0.18 (150). Mamba-2 (2.69 over 2,000 seeds) and Zamba2 (1.84 over 2,000) amplify the
+# syncs' errors: the median ratio is 0.4-0.5, but a rare input's logits move further. Every call's
+# error is still within its derived bound (asserted per call). The allowance: over twice the largest seen.
+LOGITS_AMPLIFICATION = {"mamba2": 6, "zamba2": 6}
+
+
 @pytest.mark.parametrize("family", SIX_FAMILIES)
 def test_pass_quantizes_every_all_reduce_logits_close_backward_exact(family, fresh_seed):
     """Plan(tp=2, quantize_syncs="int8"), simulated, each family: every all-reduce sync point (and no
@@ -355,8 +363,9 @@ def test_pass_quantizes_every_all_reduce_logits_close_backward_exact(family, fre
     assert all(c.bound_ratio <= 1 for c in recorder.calls), recorder.report()
     assert all(backward_calls == 0 for _, _, backward_calls in got)
     # First order: each sync errs by at most delta (2 + delta) N of its largest partial (docs);
-    # summed over the syncs, assuming the layers do not amplify relative errors.
-    tolerance = len(chosen) * DELTA["int8"] * (2 + DELTA["int8"]) * 2
+    # summed over the syncs, assuming the layers do not amplify relative errors (times the
+    # family's measured amplification, LOGITS_AMPLIFICATION).
+    tolerance = len(chosen) * DELTA["int8"] * (2 + DELTA["int8"]) * 2 * LOGITS_AMPLIFICATION.get(family, 1)
     err = rel_err(got[0][0], expected[0][0])
     assert 0 < err <= tolerance, (err, tolerance, recorder.report())
 
