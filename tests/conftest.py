@@ -25,6 +25,15 @@ interpreted_kernels = pytest.mark.skipif(
            "GPU is present)")
 
 
+def real_tensor(t) -> bool:
+    """Stands in for the kernel adapters' ``_on_gpu`` (passes/swap_kernels.py) where a test runs the
+    Triton kernels under the interpreter: any real tensor, CPU ones included, goes to the kernel;
+    the fake tensors of graph verification still take the reference ops."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor)
+
+
 @pytest.fixture
 def fresh_seed(request):
     """A new seed every run (fresh random inputs), printed on failure for reproduction.

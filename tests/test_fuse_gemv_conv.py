@@ -11,7 +11,6 @@ import types
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 
 import ssmshard
 from ssmshard.kernels import gemv_conv as kgc
@@ -20,7 +19,7 @@ from ssmshard.kernels.gemv import gemv
 from ssmshard.passes import fuse_gemv_conv as fgc
 from ssmshard.passes.manager import PassContext
 
-from conftest import pipeline_steps, small_model
+from conftest import pipeline_steps, real_tensor, small_model
 from test_kernel_selective_scan import to_cpu, to_device  # the GPU where there is one, else the interpreter
 
 aten = torch.ops.aten
@@ -73,7 +72,7 @@ def _generate(model, ids, monkeypatch, tp, fused_kernel: bool):
     (the interpreter) where a CUDA tensor would; the other adapters run the reference ops."""
     monkeypatch.setattr(ssmshard.Plan, "kernel_choice", lambda self, device: "triton")
     if fused_kernel:
-        monkeypatch.setattr(fgc, "_on_gpu", lambda t: isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor))
+        monkeypatch.setattr(fgc, "_on_gpu", real_tensor)
     mesh = ssmshard.SimulatedMesh(model, ssmshard.Plan(tp=tp))
     with torch.no_grad():
         tokens = mesh.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4)

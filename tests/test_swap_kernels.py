@@ -3,14 +3,12 @@
 import pytest
 import torch
 
-from torch._subclasses.fake_tensor import FakeTensor
-
 import ssmshard
 from ssmshard.passes import run_pipeline
 from ssmshard.passes import swap_kernels as swap
 from ssmshard.testing import rel_err
 
-from conftest import interpreted_kernels, small_model
+from conftest import interpreted_kernels, real_tensor, small_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -46,14 +44,6 @@ _INTERPRETED_SIZES = {
 }
 
 
-def _real_tensors(t) -> bool:
-    """``swap_kernels._on_gpu`` with CPU tensors admitted: the adapters hand them to the Triton
-    kernels, which the interpreter runs (fake tensors still take the reference ops)."""
-    if isinstance(t, (list, tuple)):
-        return bool(t) and all(_real_tensors(item) for item in t)
-    return isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor)
-
-
 @interpreted_kernels
 @pytest.mark.parametrize("family", ["falcon_mamba", "zamba"])
 def test_triton_kernels_of_the_mamba1_variants_equal_hf_eager(family, monkeypatch, fresh_seed):
@@ -61,7 +51,7 @@ def test_triton_kernels_of_the_mamba1_variants_equal_hf_eager(family, monkeypatc
     beside a shared attention block) with their scans and convolutions on the Triton kernels, run by
     Triton's CPU interpreter: logits and every parameter's gradient against HF eager (1e-5 over the
     whole vector, 1e-4 per tensor, float32)."""
-    monkeypatch.setattr(swap, "_on_gpu", _real_tensors)
+    monkeypatch.setattr(swap, "_on_gpu", real_tensor)  # CPU tensors to the kernels, run by the interpreter
     model = small_model(family, **_INTERPRETED_SIZES[family])
     program = run_pipeline(ssmshard.capture(model), ["swap_kernels"])
     assert {r["op"] for r in program.kernel_report} == {"causal_conv1d", "selective_scan"}
