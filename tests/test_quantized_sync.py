@@ -365,9 +365,15 @@ def test_pass_quantizes_every_all_reduce_logits_close_backward_exact(family, fre
     # First order: each sync errs by at most delta (2 + delta) N of its largest partial (docs);
     # summed over the syncs, assuming the layers do not amplify relative errors (times the
     # family's measured amplification, LOGITS_AMPLIFICATION).
-    tolerance = len(chosen) * DELTA["int8"] * (2 + DELTA["int8"]) * 2 * LOGITS_AMPLIFICATION.get(family, 1)
+    first_order = len(chosen) * DELTA["int8"] * (2 + DELTA["int8"]) * 2
+    tolerance = first_order * LOGITS_AMPLIFICATION.get(family, 1)
     err = rel_err(got[0][0], expected[0][0])
     assert 0 < err <= tolerance, (err, tolerance, recorder.report())
+    # Over the whole logits tensor, no family needs the allowance: the largest ratio of
+    # |got - TP| / |TP| (Frobenius) to the first-order tolerance was 0.52 (Mamba-2) and 0.71
+    # (Zamba2) over 2,000 seeds each, 0.06-0.20 for the other four over 300.
+    whole = ((got[0][0] - expected[0][0]).norm() / expected[0][0].norm()).item()
+    assert whole <= first_order, (whole, first_order, recorder.report())
 
     oracle = [copy.deepcopy(p) for p in quantized]
     for program, source in zip(oracle, quantized):
